@@ -1,0 +1,56 @@
+"""``ringfa4.attention``: exact attention over a sequence split across a CP group."""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels import AttnSpec, get_backend
+from .parallel import ContextParallel
+
+__all__ = ["attention"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel | None = None,
+              causal: bool = False, window: tuple[int | None, int | None] = (None, None),
+              softmax_scale: float | None = None, softcap: float = 0.0, return_lse: bool = False,
+              backend: str = "auto"):
+    """Attention of ``q (b, s, h, d)`` over ``k, v (b, s, h_kv, d)`` (h % h_kv == 0).
+
+    With a distributed ``cp`` the tensors are this rank's shards (``cp.shard``) and the result is
+    the local output; with ``ContextParallel.simulated(P)`` they are the full sequence. ``cp=None``
+    (or a one-rank group) is one backend call (``backend``; a cp uses its own). Differentiable in
+    q, k, v; ``lse (b, h, s)`` float32 (natural log) is returned when ``return_lse`` and carries
+    no gradient. Causal is over global positions; window (left, right) with None = unbounded.
+    """
+    spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap)
+    if cp is None or (cp.world_size == 1 and not cp.is_simulated):
+        name = backend if cp is None else cp.backend_name
+        out, lse = _single(q, k, v, spec, name)
+    else:
+        out, lse = cp.attention(q, k, v, spec)
+    return (out, lse) if return_lse else out
+
+
+def _single(q, k, v, spec, backend_name):
+    """One differentiable backend call."""
+    be = get_backend(backend_name, q.device)
+    from .kernels.validate import validate_block
+
+    validate_block(q, k, v, spec)
+    return _BlockAttention.apply(q, k, v, be, spec)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, backend, spec):
+        out, lse = backend.forward(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.spec = backend, spec
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backend.backward(dout.contiguous(), q, k, v, out, lse, ctx.spec)
+        return dq, dk, dv, None, None

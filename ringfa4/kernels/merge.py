@@ -1,0 +1,64 @@
+"""The online-softmax merge of partial attention results (torch version; any device).
+
+Given an fp32 accumulator ``(out_acc (b, s, h, d), lse_acc (b, h, s))`` and a block result
+``(out_blk, lse_blk)`` over other keys of the same rows::
+
+    new = logaddexp(lse_acc, lse_blk)
+    out_acc = exp(lse_acc - new) * out_acc + exp(lse_blk - new) * out_blk
+    lse_acc = new
+
+guarded so that a side at -inf contributes nothing and two -inf sides leave (out 0, lse -inf),
+never NaN. (The sigmoid form ``out -= sigmoid(lse_blk - lse) * (out - out_blk)`` is NaN on an
+accumulator at -inf.) All arguments may be views (e.g. one zigzag half of the accumulator); varlen
+tensors ``out (t, h, d)``, ``lse (h, t)`` work too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["merge_lse", "merge_lse_"]
+
+
+def _weights(lse_acc: torch.Tensor, lse_blk: torch.Tensor):
+    new = torch.logaddexp(lse_acc, lse_blk)
+    safe = torch.where(new == -math.inf, torch.zeros_like(new), new)
+    return new, torch.exp(lse_acc - safe), torch.exp(lse_blk - safe)
+
+
+def _to_rows(w: torch.Tensor) -> torch.Tensor:
+    """lse layout (..., h, s) -> out layout (..., s, h, 1)."""
+    return w.transpose(-1, -2).unsqueeze(-1)
+
+
+def _check(out_acc, lse_acc, out_blk, lse_blk):
+    if out_blk.shape != out_acc.shape:
+        raise ValueError(f"out_blk must have out_acc's shape {tuple(out_acc.shape)}, got {tuple(out_blk.shape)}")
+    expected = out_acc.shape[:-3] + (out_acc.shape[-2], out_acc.shape[-3])
+    for name, t in (("lse_acc", lse_acc), ("lse_blk", lse_blk)):
+        if tuple(t.shape) != tuple(expected):
+            raise ValueError(f"{name} must have shape {tuple(expected)} (…, h, s), got {tuple(t.shape)}")
+    if not out_acc.dtype.is_floating_point or out_acc.dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(f"out_acc must be float32 or float64 (an accumulator), got {out_acc.dtype}")
+
+
+def merge_lse_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor,
+               lse_blk: torch.Tensor) -> None:
+    """Merge ``(out_blk, lse_blk)`` into the fp32 accumulator ``(out_acc, lse_acc)`` in place."""
+    _check(out_acc, lse_acc, out_blk, lse_blk)
+    new, w_acc, w_blk = _weights(lse_acc, lse_blk.to(lse_acc.dtype))
+    out_acc.mul_(_to_rows(w_acc).to(out_acc.dtype))
+    out_acc.add_(out_blk.to(out_acc.dtype) * _to_rows(w_blk).to(out_acc.dtype))
+    lse_acc.copy_(new)
+
+
+def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place merge: returns a new fp32 (float64 if an input is) ``(out, lse)``."""
+    dt = torch.promote_types(torch.promote_types(out_a.dtype, out_b.dtype), torch.float32)
+    out = out_a.to(dt, copy=True)
+    lse = lse_a.to(torch.promote_types(lse_a.dtype, lse_b.dtype), copy=True)
+    merge_lse_(out, lse, out_b, lse_b)
+    return out, lse

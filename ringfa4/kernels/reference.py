@@ -1,0 +1,164 @@
+"""Pure-torch block attention on any device: the ground-truth backend of the CPU paths.
+
+Computes in float32 (float64 when the inputs are float64 or ``compute_dtype=torch.float64``),
+tiling the queries so a (tile, s_k) score block per head stays small. The backward is written as
+its own math from (out, lse), not as autograd of the forward, so it is exact for ring blocks given
+the globally merged out and lse.
+
+Shapes: dense ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` -> ``out (b, s_q, h, d)`` in q's
+dtype, ``lse (b, h, s_q)`` float32 (float64 when computing in float64). Varlen: ``(total, h, d)``
+with ``lse (h, total_q)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import AttnSpec, band_mask
+from .validate import validate_block
+
+__all__ = ["ReferenceBackend"]
+
+_TILE_ELEMS = 1 << 24  # score elements per query tile (all heads together)
+
+
+def _tiles(s_q: int, s_k: int, h: int):
+    step = max(1, _TILE_ELEMS // max(1, s_k * h))
+    for start in range(0, s_q, step):
+        yield start, min(s_q, start + step)
+
+
+def _scores(q, k, spec: AttnSpec, scale: float, q0: int, q1: int, s_q: int):
+    """Scaled, soft-capped, masked scores (b, h, q1-q0, s_k) and tanh (for the softcap grad)."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q[:, q0:q1], k) * scale
+    t = None
+    if spec.softcap:
+        t = torch.tanh(s / spec.softcap)
+        s = spec.softcap * t
+    mask = band_mask(spec, s_q, k.shape[1], q.device, q0, q1)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    return s, t, mask
+
+
+def _probs(s, lse, mask):
+    """exp(s - lse) with rows at lse = -inf (and masked entries) exactly 0."""
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe.unsqueeze(-1))
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
+    return p
+
+
+class ReferenceBackend:
+    """Reference block attention (see module docstring)."""
+
+    name = "reference"
+
+    def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
+        if compute_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"compute_dtype must be None, torch.float32 or torch.float64, got {compute_dtype}")
+        self.compute_dtype = compute_dtype
+
+    def _dtype(self, q: torch.Tensor) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    # -- dense ------------------------------------------------------------------------------
+    def _forward_dense(self, q, k, v, spec):
+        dt = self._dtype(q)
+        b, s_q, h, d = q.shape
+        groups = h // k.shape[2]
+        qc = q.to(dt)
+        kc = k.to(dt).repeat_interleave(groups, dim=2)
+        vc = v.to(dt).repeat_interleave(groups, dim=2)
+        scale = spec.scale(d)
+        out = torch.empty(b, s_q, h, v.shape[-1], dtype=dt, device=q.device)
+        lse = torch.empty(b, h, s_q, dtype=dt, device=q.device)
+        for q0, q1 in _tiles(s_q, k.shape[1], h):
+            s, _, mask = _scores(qc, kc, spec, scale, q0, q1, s_q)
+            m = torch.logsumexp(s, dim=-1)
+            lse[:, :, q0:q1] = m
+            out[:, q0:q1] = torch.einsum("bhqk,bkhd->bqhd", _probs(s, m, mask), vc)
+        return out, lse
+
+    def _backward_dense(self, dout, q, k, v, out, lse, spec):
+        dt = self._dtype(q)
+        b, s_q, h, d = q.shape
+        h_kv = k.shape[2]
+        groups = h // h_kv
+        qc, doc = q.to(dt), dout.to(dt)
+        kc = k.to(dt).repeat_interleave(groups, dim=2)
+        vc = v.to(dt).repeat_interleave(groups, dim=2)
+        lse = lse.to(dt)
+        delta = (doc * out.to(dt)).sum(-1).transpose(1, 2)  # (b, h, s_q)
+        scale = spec.scale(d)
+        dq = torch.empty_like(qc)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(vc)
+        for q0, q1 in _tiles(s_q, k.shape[1], h):
+            s, t, mask = _scores(qc, kc, spec, scale, q0, q1, s_q)
+            p = _probs(s, lse[:, :, q0:q1], mask)
+            do = doc[:, q0:q1]
+            dv += torch.einsum("bhqk,bqhd->bkhd", p, do)
+            dp = torch.einsum("bqhd,bkhd->bhqk", do, vc)
+            ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dq[:, q0:q1] = torch.einsum("bhqk,bkhd->bqhd", ds, kc) * scale
+            dk += torch.einsum("bhqk,bqhd->bkhd", ds, qc[:, q0:q1]) * scale
+        if groups > 1:
+            dk = dk.view(b, -1, h_kv, groups, d).sum(3)
+            dv = dv.view(b, -1, h_kv, groups, v.shape[-1]).sum(3)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    # -- varlen: one dense call per document ------------------------------------------------
+    @staticmethod
+    def _docs(spec: AttnSpec):
+        cq = spec.cu_seqlens_q.tolist()
+        ck = spec.cu_seqlens_k.tolist()
+        dense = spec.replace(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+        return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)], dense
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        validate_block(q, k, v, spec)
+        if not spec.varlen:
+            o, l = self._forward_dense(q, k, v, spec)
+        else:
+            docs, dense = self._docs(spec)
+            dt = self._dtype(q)
+            o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dt, device=q.device)
+            l = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=dt, device=q.device)
+            for a, b, c, e in docs:
+                if b > a:
+                    od, ld = self._forward_dense(q[None, a:b], k[None, c:e], v[None, c:e], dense)
+                    o[a:b], l[:, a:b] = od[0], ld[0]
+        o = o.to(q.dtype)
+        l = l if l.dtype == torch.float64 else l.float()
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if lse is not None:
+            lse.copy_(l)
+            l = lse
+        return o, l
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        validate_block(q, k, v, spec)
+        if not spec.varlen:
+            return self._backward_dense(dout, q, k, v, out, lse, spec)
+        docs, dense = self._docs(spec)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, c, e in docs:
+            if b > a and e > c:
+                g = self._backward_dense(dout[None, a:b], q[None, a:b], k[None, c:e], v[None, c:e],
+                                         out[None, a:b], lse[None, :, a:b], dense)
+                dq[a:b], dk[c:e], dv[c:e] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv

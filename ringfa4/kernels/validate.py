@@ -1,0 +1,67 @@
+"""Input checks for one block call. Each failure is a ValueError naming the tensor and what was
+expected; ``where`` (e.g. ``"rank 3: "``) prefixes messages raised on behalf of a CP rank."""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import AttnSpec
+
+__all__ = ["validate_block", "validate_cu_seqlens"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def validate_cu_seqlens(cu: torch.Tensor, name: str, total: int, where: str = "") -> None:
+    """int32, 1-D, starts at 0, non-decreasing, last entry == ``total``."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{where}{name} must be an int32 tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{where}{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{where}{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    host = cu.detach().cpu()
+    if int(host[0]) != 0:
+        raise ValueError(f"{where}{name}[0] must be 0, got {int(host[0])}")
+    if bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"{where}{name} must be non-decreasing, got {host.tolist()}")
+    if int(host[-1]) != total:
+        raise ValueError(f"{where}{name}[-1] must equal the number of tokens {total}, got {int(host[-1])}")
+
+
+def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                   where: str = "") -> None:
+    """Check one block's q, k, v against ``spec`` (dense ``(b, s, h, d)`` or varlen ``(t, h, d)``)."""
+    rank = 3 if spec.varlen else 4
+    layout = "(total, h, d)" if spec.varlen else "(b, s, h, d)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{where}{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{where}{name} must be a floating dtype (fp16/bf16/fp32/fp64), got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{where}{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{where}{name} must be on q's device {q.device}, got {t.device}")
+    if k.shape != v.shape[:-1] + (k.shape[-1],) or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{where}v must match k's shape {tuple(k.shape[:-1])} except head_dim, got {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{where}k head_dim must equal q's {q.shape[-1]}, got {k.shape[-1]}")
+    h, h_kv = q.shape[-2], k.shape[-2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
+    if spec.varlen:
+        validate_cu_seqlens(spec.cu_seqlens_q, "cu_seqlens_q", q.shape[0], where)
+        validate_cu_seqlens(spec.cu_seqlens_k, "cu_seqlens_k", k.shape[0], where)
+        if spec.cu_seqlens_q.numel() != spec.cu_seqlens_k.numel():
+            raise ValueError(f"{where}cu_seqlens_k must have {spec.cu_seqlens_q.numel()} entries like "
+                             f"cu_seqlens_q, got {spec.cu_seqlens_k.numel()}")
+        for name, cu, mx in (("max_seqlen_q", spec.cu_seqlens_q, spec.max_seqlen_q),
+                             ("max_seqlen_k", spec.cu_seqlens_k, spec.max_seqlen_k)):
+            longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+            if mx < longest:
+                raise ValueError(f"{where}{name} must be >= the longest document {longest}, got {mx}")
+    elif q.shape[0] != k.shape[0]:
+        raise ValueError(f"{where}k batch must equal q's {q.shape[0]}, got {k.shape[0]}")

@@ -1,0 +1,105 @@
+"""Block geometry: which part of a (q segment, kv segment) pair a global mask leaves, as one
+backend call. Pure functions of integers; no tensors.
+
+A global mask ``lo <= j - i <= hi`` (causal: ``hi = 0``; window (left, right): ``lo = -left``,
+``hi = right``) restricted to q tokens ``[a, a+m)`` and kv tokens ``[c, c+n)`` is a band
+``lo' <= j' - i' <= hi'`` in segment coordinates (``lo' = lo - (c - a)``). Trimmed to the rows and
+columns that see anything, the band always contains the bottom-right corner, so it is exactly a
+FlashAttention call: ``causal`` (bottom-right) and/or a window ``(left, right)`` with both >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Block", "band_block", "coalesce", "global_band"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One backend call of a ring step: local q rows ``[q0, q1)`` against local kv rows ``[k0, k1)``
+    with FA-convention ``causal`` and ``window`` on that sub-block."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool = False
+    window: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def full(self) -> bool:
+        return not self.causal and self.window == (None, None)
+
+    @property
+    def work(self) -> int:
+        """Visible (query, key) pairs: the block's attention work."""
+        m, n = self.q1 - self.q0, self.k1 - self.k0
+        left, right = self.window
+        right = 0 if self.causal else right
+        shift = n - m
+        lo = -math.inf if left is None else shift - left
+        hi = math.inf if right is None else shift + right
+        return sum(max(0, min(n - 1, i + hi) - max(0, i + lo) + 1) for i in range(m)) if (
+            left is not None or right is not None) else m * n
+
+
+def global_band(causal: bool, window: tuple[int | None, int | None]) -> tuple[float, float]:
+    """``(lo, hi)`` of the visible ``key - query`` positions for a full-sequence mask."""
+    left, right = window
+    lo = -math.inf if left is None else -left
+    hi = 0 if causal else (math.inf if right is None else right)
+    if causal and right is not None:
+        hi = min(hi, right)
+    return lo, hi
+
+
+def band_block(q_seg: tuple[int, int, int], k_seg: tuple[int, int, int], lo: float, hi: float
+               ) -> Block | None:
+    """The call for q segment ``(local_start, global_start, length)`` against kv segment likewise,
+    under the global band ``[lo, hi]``; None when nothing is visible."""
+    qa, qg, m = q_seg
+    ka, kg, n = k_seg
+    if m == 0 or n == 0:
+        return None
+    lo, hi = lo - (kg - qg), hi - (kg - qg)  # segment coordinates
+    if lo > hi:
+        return None
+    r0 = 0 if hi == math.inf else max(0, -int(hi))
+    r1 = m - 1 if lo == -math.inf else min(m - 1, n - 1 - int(lo))
+    c0 = 0 if lo == -math.inf else max(0, int(lo))
+    c1 = n - 1 if hi == math.inf else min(n - 1, m - 1 + int(hi))
+    if r0 > r1 or c0 > c1:
+        return None
+    lo, hi = lo - (c0 - r0), hi - (c0 - r0)  # trimmed block coordinates
+    sq, sk = r1 - r0 + 1, c1 - c0 + 1
+    shift = sk - sq
+    # lo <= shift <= hi holds here (the bottom-right corner is visible); drop bounds that never bind
+    left = None if lo == -math.inf or shift - lo >= sk - 1 else int(shift - lo)
+    right = None if hi == math.inf or hi - shift >= sq - 1 else int(hi - shift)
+    causal = right == 0
+    window = (left, None if causal else right)
+    return Block(qa + r0, qa + r1 + 1, ka + c0, ka + c1 + 1, causal, window)
+
+
+def coalesce(blocks: list[Block]) -> list[Block]:
+    """Join full blocks that share a q range and have adjacent kv ranges, then those that share a kv
+    range and have adjacent q ranges (e.g. zigzag's two full quarter-blocks of a step)."""
+    masked = [b for b in blocks if not b.full]
+    full = sorted((b for b in blocks if b.full), key=lambda b: (b.q0, b.q1, b.k0))
+    for key, same, adjacent, join in (
+        (lambda b: (b.q0, b.q1, b.k0), lambda a, b: (a.q0, a.q1) == (b.q0, b.q1), lambda a, b: a.k1 == b.k0,
+         lambda a, b: Block(a.q0, a.q1, a.k0, b.k1)),
+        (lambda b: (b.k0, b.k1, b.q0), lambda a, b: (a.k0, a.k1) == (b.k0, b.k1), lambda a, b: a.q1 == b.q0,
+         lambda a, b: Block(a.q0, b.q1, a.k0, a.k1)),
+    ):
+        full.sort(key=key)
+        joined: list[Block] = []
+        for b in full:
+            if joined and same(joined[-1], b) and adjacent(joined[-1], b):
+                joined[-1] = join(joined[-1], b)
+            else:
+                joined.append(b)
+        full = joined
+    return sorted(full + masked, key=lambda b: (b.q0, b.k0))

@@ -1,0 +1,137 @@
+"""Validation of a CP attention call: local checks, then one small metadata all-gather so every rank
+raises the same ValueError before any data moves. Failures mid-call are posted to the rendezvous
+store so peers waiting on a hop can say which rank failed and why."""
+
+from __future__ import annotations
+
+import datetime
+import struct
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import AttnSpec
+from ..kernels.validate import validate_block
+from .layouts import Layout
+
+__all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
+
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout")
+_ERROR_KEY = "ringfa4/error"
+
+
+def check_local(q, k, v, spec: AttnSpec, layout: Layout, where: str, local: bool = True) -> str | None:
+    """Local checks of one rank's inputs; the error message, or None. ``local``: the tensors are a
+    rank's shard (distributed) rather than the full sequence (simulated)."""
+    try:
+        validate_block(q, k, v, spec, where)
+        s = q.shape[1] * (layout.world_size if local else 1)
+        what = f"q sequence length (local {q.shape[1]} x {layout.world_size} ranks)" if local else \
+            "q sequence length"
+        layout.check_seq_len(s, what, where)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"{where}k sequence length must equal q's {q.shape[1]} under CP, got {k.shape[1]}")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _f64_bits(x: float | None) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _meta(q, k, v, spec: AttnSpec, layout: Layout) -> list[int]:
+    w = [-1 if x is None else x for x in spec.window]
+    return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
+            _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), layout.chunks_per_rank]
+
+
+def _field_slices():
+    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1)
+    out, at = [], 0
+    for name, n in zip(_FIELDS, sizes):
+        out.append((name, slice(at, at + n)))
+        at += n
+    return out
+
+
+def _describe(name: str, vals: list[int]):
+    if name.endswith("shape"):
+        return tuple(vals)
+    if name == "dtype":
+        return {c: d for d, c in _DTYPES.items()}.get(vals[0], "unsupported")
+    if name == "window":
+        return tuple(None if x == -1 else x for x in vals)
+    if name in ("softcap", "softmax_scale"):
+        return None if vals[0] == -1 else struct.unpack("<d", struct.pack("<q", vals[0]))[0]
+    if name == "causal":
+        return bool(vals[0])
+    return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0])
+
+
+def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v, spec: AttnSpec,
+                       layout: Layout, timeout: datetime.timedelta) -> None:
+    """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
+    every rank if any rank failed its local checks or the ranks disagree."""
+    n = 20
+    meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout))
+    use_cuda = dist.get_backend(group) == "nccl"
+    device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (
+        torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    every = torch.empty(world * n, dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except Exception as exc:
+        raise peer_failure(rank, None, exc, "the metadata all-gather") from exc
+    rows = every.view(world, n).tolist()
+    failed = [r for r in range(world) if rows[r][0]]
+    if failed:
+        messages = [None] * world
+        dist.all_gather_object(messages, error, group=group)
+        first = failed[0]
+        raise ValueError(messages[first] if messages[first].startswith(f"rank {first}") else
+                         f"rank {first}: {messages[first]}")
+    for name, sl in _field_slices():
+        ref = rows[0][1:][sl]
+        for r in range(1, world):
+            if rows[r][1:][sl] != ref:
+                raise ValueError(f"rank {r}: {name} is {_describe(name, rows[r][1:][sl])}, expected "
+                                 f"{_describe(name, ref)} as on rank 0 (all CP ranks must agree)")
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group / no store
+        return None
+
+
+def post_error(rank: int, message: str) -> None:
+    """Leave this rank's failure in the rendezvous store for peers that wait on it."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_ERROR_KEY, f"rank {rank}: {message}")
+        except Exception:  # best effort only: never mask the original error
+            pass
+
+
+def peer_failure(rank: int, peer: int | None, exc: BaseException, what: str = "a ring hop") -> RuntimeError:
+    """The error a waiting rank raises: the first failure posted to the store, else the peer."""
+    store = _store()
+    posted = None
+    if store is not None:
+        try:
+            if store.check([_ERROR_KEY]):
+                posted = store.get(_ERROR_KEY).decode()
+        except Exception:
+            posted = None
+    if posted:
+        return RuntimeError(f"rank {rank}: {what} failed because {posted}")
+    who = "a peer" if peer is None else f"peer rank {peer}"
+    return RuntimeError(f"rank {rank}: {what} failed or timed out waiting on {who}: {exc}")
+
+

@@ -1,0 +1,126 @@
+"""How a sequence maps to CP ranks. One class a layout: indices, shard, unshard, positions.
+
+A layout cuts a sequence of ``seq_len`` tokens into equal chunks and gives each rank some of them,
+kept in increasing global order inside the rank (so a local causal mask equals the global one
+between a rank's own tokens). ``segments(seq_len, rank)`` lists ``(global_start, length)`` in local
+order; everything else derives from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ContiguousLayout", "Layout", "ZigzagLayout", "make_layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Base: ``world_size`` ranks, ``chunks_per_rank`` equal chunks each."""
+
+    world_size: int
+    name = "base"
+    chunks_per_rank = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+
+    @property
+    def multiple(self) -> int:
+        """The full sequence length must be a multiple of this."""
+        return self.world_size * self.chunks_per_rank
+
+    def chunks(self, rank: int) -> list[int]:
+        raise NotImplementedError
+
+    def check_seq_len(self, seq_len: int, what: str = "sequence length", where: str = "") -> None:
+        if seq_len % self.multiple != 0:
+            raise ValueError(f"{where}{what} {seq_len} must be a multiple of {self.multiple} for the "
+                             f"{self.name} layout over {self.world_size} ranks (uneven lengths: use packing)")
+
+    def segments(self, seq_len: int, rank: int) -> list[tuple[int, int]]:
+        """``(global_start, length)`` of this rank's chunks, in local order."""
+        self.check_seq_len(seq_len)
+        c = seq_len // self.multiple
+        return [(i * c, c) for i in self.chunks(rank)]
+
+    def indices(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global token indices (int64) held by ``rank``, in local order."""
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.segments(seq_len, rank)])
+
+    def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions (for RoPE) of the local tokens: the same as :meth:`indices`."""
+        return self.indices(seq_len, rank, device)
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """``rank``'s part of the full tensor ``x`` along ``dim`` (a copy when not one slice)."""
+        segs = self.segments(x.shape[dim], rank)
+        if len(segs) == 1:
+            return x.narrow(dim, segs[0][0], segs[0][1])
+        return torch.cat([x.narrow(dim, s, n) for s, n in segs], dim=dim)
+
+    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Inverse of :meth:`shard` given every rank's part (rank order)."""
+        if len(parts) != self.world_size:
+            raise ValueError(f"unshard needs {self.world_size} parts, got {len(parts)}")
+        local = parts[0].shape[dim]
+        seq_len = local * self.world_size
+        pieces: dict[int, torch.Tensor] = {}
+        for rank, part in enumerate(parts):
+            offset = 0
+            for start, n in self.segments(seq_len, rank):
+                pieces[start] = part.narrow(dim, offset, n)
+                offset += n
+        return torch.cat([pieces[s] for s in sorted(pieces)], dim=dim)
+
+
+@dataclass(frozen=True)
+class ContiguousLayout(Layout):
+    """Rank r holds tokens ``[r*S/P, (r+1)*S/P)``. Causal picture, P=4 (row = q rank, col = kv
+    rank, ``\\`` = diagonal block, ``#`` = full, ``.`` = skipped); rank 3 does 4 blocks, rank 0 one::
+
+        \\ . . .
+        # \\ . .
+        # # \\ .
+        # # # \\
+    """
+
+    name = "contiguous"
+    chunks_per_rank = 1
+
+    def chunks(self, rank: int) -> list[int]:
+        return [rank]
+
+
+@dataclass(frozen=True)
+class ZigzagLayout(Layout):
+    """2P chunks; rank r holds chunks r and 2P-1-r, so every rank does the same causal work.
+    Causal picture, P=2 (chunks 0..3; rank 0 holds 0,3, rank 1 holds 1,2)::
+
+        chunk:  0 1 2 3        rank 0 rows (0, 3), rank 1 rows (1, 2)
+          0     \\ . . .        each rank: 2 diagonal half-blocks + 4 full quarter-blocks
+          1     # \\ . .        at step t>0: if src < r, both q chunks x kv chunk src (full);
+          2     # # \\ .                    if src > r, q chunk 2P-1-r x both kv chunks (full)
+          3     # # # \\
+    """
+
+    name = "zigzag"
+    chunks_per_rank = 2
+
+    def chunks(self, rank: int) -> list[int]:
+        return [rank, 2 * self.world_size - 1 - rank]
+
+
+_LAYOUTS = {"contiguous": ContiguousLayout, "zigzag": ZigzagLayout}
+
+
+def make_layout(name: str | Layout, world_size: int) -> Layout:
+    if isinstance(name, Layout):
+        if name.world_size != world_size:
+            raise ValueError(f"layout world_size must be {world_size}, got {name.world_size}")
+        return name
+    if name not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {name!r}")
+    return _LAYOUTS[name](world_size)

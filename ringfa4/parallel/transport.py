@@ -1,0 +1,122 @@
+"""How K/V and dK/dV buffers move between ring neighbours.
+
+``shift(send, recv, offset)`` posts, for every rank ``r`` this process runs, a transfer of
+``send[i]`` to rank ``r + offset`` and of rank ``r - offset``'s buffer into ``recv[i]``; ``wait``
+makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
+communication stream that first waits for the compute stream, so producers are done and earlier
+readers of ``recv`` have finished.
+
+- :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL or gloo), with a timeout.
+- :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
+  communication stream with the same events (the simulated executor). ``poison`` fills receive
+  buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
+  so a missing wait shows up as a wrong result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LoopbackTransport", "P2PTransport", "Transport"]
+
+
+class _Handle:
+    def __init__(self, works=None, event=None):
+        self.works = works or []
+        self.event = event
+
+
+class Transport:
+    """Base: stream bookkeeping shared by both transports."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def comm_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], offset: int) -> _Handle:
+        raise NotImplementedError
+
+    def wait(self, handle: _Handle) -> None:
+        raise NotImplementedError
+
+
+class LoopbackTransport(Transport):
+    """All ranks in this process: ``recv[(i + offset) % P] <- send[i]``."""
+
+    def __init__(self, poison: bool = False, delay_cycles: int = 0) -> None:
+        super().__init__()
+        self.poison = poison
+        self.delay_cycles = delay_cycles
+
+    def shift(self, send, recv, offset):
+        n = len(send)
+        stream = self.comm_stream(send[0].device)
+        if self.poison:
+            for r in recv:
+                r.fill_(math.nan)
+        if stream is None:
+            for i in range(n):
+                recv[(i + offset) % n].copy_(send[i])
+            return _Handle()
+        stream.wait_stream(torch.cuda.current_stream(send[0].device))
+        with torch.cuda.stream(stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            for i in range(n):
+                recv[(i + offset) % n].copy_(send[i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _Handle(event=event)
+
+    def wait(self, handle):
+        if handle.event is not None:
+            torch.cuda.current_stream().wait_event(handle.event)
+
+
+class P2PTransport(Transport):
+    """One rank of a process group; ring peers are ``rank +- offset`` within ``group``."""
+
+    def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta,
+                 on_timeout=None) -> None:
+        super().__init__()
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.on_timeout = on_timeout  # callable(peer_rank, exc) -> Exception to raise
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def shift(self, send, recv, offset):
+        (s,), (r,) = send, recv
+        to = (self.rank + offset) % self.world_size
+        frm = (self.rank - offset) % self.world_size
+        ops = [dist.P2POp(dist.isend, s, self._global(to), self.group),
+               dist.P2POp(dist.irecv, r, self._global(frm), self.group)]
+        stream = self.comm_stream(s.device)
+        if stream is None:
+            return _Handle(works=dist.batch_isend_irecv(ops), event=frm)
+        stream.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(stream):
+            works = dist.batch_isend_irecv(ops)
+        return _Handle(works=works, event=frm)
+
+    def wait(self, handle):
+        for work in handle.works:
+            try:
+                work.wait(self.timeout)
+            except Exception as exc:  # timeout or a peer's failure
+                if self.on_timeout is not None:
+                    raise self.on_timeout(handle.event, exc) from exc
+                raise

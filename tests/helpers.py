@@ -1,0 +1,101 @@
+"""Test-side ground truth: float64 attention written independently of ringfa4's code, with
+autograd for the gradients, plus error metrics and random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _visible(s_q: int, s_k: int, causal: bool, window, device) -> torch.Tensor:
+    left, right = window
+    if left == -1:
+        left = None
+    if right == -1:
+        right = None
+    if causal:
+        right = 0
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_k, device=device)[None, :]
+    d = j - i - (s_k - s_q)
+    ok = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if left is not None:
+        ok &= d >= -left
+    if right is not None:
+        ok &= d <= right
+    return ok
+
+
+def _dense64(q, k, v, causal, window, softcap, scale):
+    """q (b, s_q, h, d), k/v (b, s_k, h_kv, d) float64 -> out (b, s_q, h, d), lse (b, h, s_q)."""
+    h, h_kv = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(h // h_kv, dim=2)
+    v = v.repeat_interleave(h // h_kv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    ok = _visible(q.shape[1], k.shape[1], causal, window, q.device)
+    s = s.masked_fill(~ok, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    p = torch.where(ok, p, torch.zeros_like(p))
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse
+
+
+def attention64(q, k, v, causal=False, window=(None, None), softcap=0.0, softmax_scale=None,
+                cu_seqlens_q=None, cu_seqlens_k=None):
+    """Float64 attention (differentiable). Dense or varlen (FA layouts and lse conventions)."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if cu_seqlens_q is None:
+        return _dense64(q, k, v, causal, window, softcap, scale)
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        o, l = _dense64(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
+                        causal, window, softcap, scale)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.cat(outs, 0), torch.cat(lses, -1)
+
+
+def reference_grads(q, k, v, dout, **kw):
+    """(out, lse, dq, dk, dv) in float64 via autograd of :func:`attention64`."""
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    out, lse = attention64(q64, k64, v64, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.to(torch.float64))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| over finite reference entries; infinite entries must match exactly
+    (an lse of -inf must be -inf), else the error is inf. NaN anywhere gives inf."""
+    x = x.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(x.shape)} != reference {tuple(ref.shape)}")
+    if torch.isnan(x).any():
+        return math.inf
+    fin = torch.isfinite(ref)
+    if not torch.equal(x[~fin], ref[~fin]):
+        return math.inf
+    num = torch.linalg.vector_norm(x[fin] - ref[fin]).item()
+    den = torch.linalg.vector_norm(ref[fin]).item()
+    if den == 0:
+        return num
+    return num / den
+
+
+def random_qkv(b, s_q, s_k, h, h_kv, d, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    return mk(b, s_q, h, d), mk(b, s_k, h_kv, d), mk(b, s_k, h_kv, d), mk(b, s_q, h, d)
+
+
+def random_cu_seqlens(lengths, device="cpu") -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
