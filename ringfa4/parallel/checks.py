@@ -81,7 +81,8 @@ def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v,
         torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     every = torch.empty(world * n, dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(every, mine, group=group, async_op=True)
     try:
         work.wait(timeout)
     except Exception as exc:

@@ -1,0 +1,142 @@
+"""FlashAttention-4 block backend: flash-attn-4's CuTe DSL kernels (Hopper sm90, Blackwell sm100).
+
+Shapes and dtypes (fp16 / bf16 only; FA4 has no fp32 or fp64 path, and its backward rejects fp32):
+dense ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` -> ``out (b, s_q, h, d)`` in q's dtype and
+``lse (b, h, s_q)`` float32; varlen ``q (total_q, h, d)``, ``k, v (total_k, h_kv, d)`` with int32
+``cu_seqlens`` -> ``out (total_q, h, d)``, ``lse (h, total_q)``. Rows that see no key get
+``lse = -inf`` and ``out = 0``. Causal is bottom-right aligned; windows are runtime values.
+
+flash_attn and cutlass are imported on first use, never when ``ringfa4`` is imported. The kernels
+compile on their first call for each configuration (a few seconds each) and are cached per process.
+Under ``torch._subclasses.fake_tensor.FakeTensorMode`` with ``FLASH_ATTENTION_ARCH``,
+``CUTE_DSL_ARCH`` and ``FLASH_ATTENTION_NUM_SMS`` set, the same calls compile without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .spec import AttnSpec
+from .validate import validate_block
+
+__all__ = ["Fa4Backend", "Fa4Unsupported"]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Fa4Unsupported(ValueError, NotImplementedError):
+    """A call that flash-attn-4 cannot run (dtype, device, head dim, output layout...)."""
+
+
+@functools.cache
+def _kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(_flash_attn_fwd, _flash_attn_bwd)`` from flash_attn.cute.interface (imported lazily)."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as exc:
+        raise ImportError(
+            "the fa4 backend needs flash-attn-4 and nvidia-cutlass-dsl (pip install 'ringfa4[gpu]'); "
+            f"importing flash_attn.cute failed: {exc}") from exc
+    return interface._flash_attn_fwd, interface._flash_attn_bwd
+
+
+def _check_inputs(q: torch.Tensor, spec: AttnSpec) -> None:
+    if q.dtype not in _DTYPES:
+        raise Fa4Unsupported(f"fa4 backend runs fp16/bf16 only (flash-attn-4 has no {q.dtype} "
+                             "kernels); use the sdpa or reference backend, or cast the inputs")
+    if q.device.type != "cuda":
+        raise Fa4Unsupported(f"fa4 backend needs CUDA tensors, got device {q.device}")
+    d = q.shape[-1]
+    if d % 8 != 0 or not 8 <= d <= 256:
+        raise Fa4Unsupported(f"fa4 backend needs head_dim a multiple of 8 in [8, 256] "
+                             f"(sm100: <= 128 or 256), got {d}")
+    if spec.varlen:
+        for name, cu in (("cu_seqlens_q", spec.cu_seqlens_q), ("cu_seqlens_k", spec.cu_seqlens_k)):
+            if cu.device != q.device:
+                raise Fa4Unsupported(f"{name} must be on q's device {q.device}, got {cu.device}")
+
+
+def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  q: torch.Tensor) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device:
+        raise ValueError(f"{name} must be {tuple(shape)} {dtype} on {q.device}, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if t.stride(-1) != 1:
+        raise Fa4Unsupported(f"{name} must have last-dim stride 1, got strides {t.stride()}")
+
+
+def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
+    """Keyword arguments shared by FA4's forward and backward."""
+    kw: dict[str, Any] = dict(
+        softmax_scale=spec.scale(q.shape[-1]),
+        causal=spec.causal,
+        softcap=float(spec.softcap),  # fwd maps 0.0 to None; bwd needs a float
+        window_size_left=spec.window_left,  # None = unbounded, passed through as None
+        window_size_right=spec.window_right,  # 0 when causal
+    )
+    if spec.varlen:
+        kw.update(cu_seqlens_q=spec.cu_seqlens_q.contiguous(), cu_seqlens_k=spec.cu_seqlens_k.contiguous(),
+                  max_seqlen_q=int(spec.max_seqlen_q), max_seqlen_k=int(spec.max_seqlen_k))
+    return kw
+
+
+class Fa4Backend:
+    """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
+
+    ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
+    last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
+    q's dtype, computed from the given (globally merged) ``out`` and ``lse``.
+    Raises :class:`Fa4Unsupported` (a ValueError and NotImplementedError) for calls FA4 cannot run.
+    """
+
+    name = "fa4"
+
+    @torch.compiler.disable
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
+        -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
+        validate_block(q, k, v, spec)
+        _check_inputs(q, spec)
+        lead = tuple(q.shape[:-2])
+        h = q.shape[-2]
+        if out is not None:
+            _check_buffer(out, "out", lead + (h, v.shape[-1]), q.dtype, q)
+        if lse is not None:
+            lse_shape = (h, lead[0]) if spec.varlen else (lead[0], h, lead[1])
+            _check_buffer(lse, "lse", lse_shape, torch.float32, q)
+        fwd, _ = _kernels()
+        try:
+            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=out, lse=lse)
+        except AssertionError as exc:
+            raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
+        return res[0], res[1]
+
+    @torch.compiler.disable
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients ``dq (like q), dk, dv (like k, v)`` in q's dtype of one block, given the merged
+        ``out`` / ``dout`` (like q; fp32 ones are cast to q's dtype, which FA4 requires) and ``lse``
+        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``)."""
+        validate_block(q, k, v, spec)
+        _check_inputs(q, spec)
+        o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+        lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
+        for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
+            if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
+                raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
+                                 f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32)
+        _, bwd = _kernels()
+        try:
+            grads = bwd(q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)
+        except AssertionError as exc:
+            raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
+        return grads[0], grads[1], grads[2]

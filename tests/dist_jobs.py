@@ -1,0 +1,97 @@
+"""Jobs run on every rank of a gloo pool (tests/dist_pool.py). Each returns plain data."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from helpers import random_qkv
+
+import ringfa4
+from ringfa4.kernels import get_backend
+
+
+def _inputs(b, S, h, h_kv, d, dtype, seed):
+    return random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
+
+
+def ring_case(layout, dtype, shape, kw, seed):
+    """Distributed ring on this rank's shard; returns the local results, the full results after
+    cp.unshard, and whether the simulated executor's results for this rank are bit-identical."""
+    b, S, h, h_kv, d = shape
+    q, k, v, do = _inputs(b, S, h, h_kv, d, dtype, seed)
+    cp = ringfa4.ContextParallel(layout=layout, backend="reference")
+    ql, kl, vl, dol = (cp.shard(t, 1).clone().requires_grad_(t is not do) for t in (q, k, v, do))
+    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, return_lse=True, **kw)
+    out.backward(dol)
+    mine = [out.detach(), lse, ql.grad, kl.grad, vl.grad]
+    full = [cp.unshard(out.detach(), 1), cp.unshard(lse, 2), cp.unshard(ql.grad, 1), cp.unshard(kl.grad, 1),
+            cp.unshard(vl.grad, 1)]
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference")
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    so, sl = ringfa4.attention(qs, ks, vs, cp=sim, return_lse=True, **kw)
+    so.backward(do)
+    sim_mine = [cp.shard(so.detach(), 1), cp.shard(sl, 2), cp.shard(qs.grad, 1), cp.shard(ks.grad, 1),
+                cp.shard(vs.grad, 1)]
+    identical = all(torch.equal(a, b) for a, b in zip(mine, sim_mine))
+    return {"full": full, "identical": identical} if dist.get_rank() == 0 else {"identical": identical}
+
+
+def placement(layout, S):
+    """shard/unshard/positions agree with the layout; returns positions and the round trip."""
+    cp = ringfa4.ContextParallel(layout=layout)
+    x = torch.arange(S).view(1, S, 1).float()
+    local = cp.shard(x, 1)
+    return {"positions": cp.positions(S), "local": local.view(-1), "roundtrip": torch.equal(cp.unshard(local, 1), x)}
+
+
+def bad_input(kind):
+    """Each kind makes some rank's input wrong; every rank must raise the same ValueError."""
+    rank = dist.get_rank()
+    b, s, h, h_kv, d = 1, 8, 4, 2, 8
+    causal = True
+    dtype_k = torch.float32
+    if kind == "shape_mismatch" and rank == 1:
+        h = 2
+    if kind == "causal_mismatch" and rank == 1:
+        causal = False
+    if kind == "bad_dtype" and rank == dist.get_world_size() - 1:
+        dtype_k = torch.float64
+    if kind == "not_multiple":
+        s = 3
+    if kind == "heads":
+        h_kv = 3
+    q = torch.randn(b, s, h, d)
+    k = torch.randn(b, s, h_kv, d, dtype=dtype_k)
+    v = torch.randn(b, s, h_kv, d, dtype=dtype_k)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference")
+    ringfa4.attention(q, k, v, cp=cp, causal=causal)
+    return "no error"
+
+
+class _FailingBackend:
+    """Reference backend that raises on one rank (a kernel failure mid-ring)."""
+
+    name = "failing"
+
+    def __init__(self, fail_rank):
+        self.inner = get_backend("reference")
+        self.fail_rank = fail_rank
+
+    def forward(self, *args, **kw):
+        if dist.get_rank() == self.fail_rank:
+            raise RuntimeError("injected kernel failure")
+        return self.inner.forward(*args, **kw)
+
+    def backward(self, *args, **kw):
+        return self.inner.backward(*args, **kw)
+
+
+def failing_rank(fail_rank, timeout_s):
+    """One rank's kernel fails mid-ring; the others must not hang and must name that rank."""
+    q, k, v, _ = _inputs(1, 8 * dist.get_world_size(), 2, 2, 8, torch.float32, 0)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend=_FailingBackend(fail_rank),
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+    ringfa4.attention(cp.shard(q), cp.shard(k), cp.shard(v), cp=cp, causal=True)
+    return "no error"

@@ -1,0 +1,174 @@
+"""Ring CP against float64 full-sequence attention: simulated executor (P = 1..16) and gloo
+(P = 2, 3, 4), out, lse, dq, dk, dv; bit identity of the two executors; validation on all ranks.
+
+Criterion: error against float64 <= 2x the same backend's error on the full sequence + a floor
+(1e-12 float64, 1e-6 float32, relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_pool import Pool
+from helpers import random_qkv, reference_grads, rel_err
+
+import ringfa4
+from ringfa4.kernels import AttnSpec, get_backend
+
+FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6}
+
+MASKS = [
+    {"causal": True},
+    {},
+    {"causal": True, "window": (5, None)},  # window smaller than a chunk
+    {"causal": True, "window": (40, None)},
+    {"window": (9, 4)},
+    {"causal": True, "softcap": 2.5},
+]
+
+
+def _full_backend_errors(q, k, v, do, kw, ref):
+    """The reference backend's own error on the full sequence (one call, no CP)."""
+    spec = AttnSpec(**kw)
+    be = get_backend("reference")
+    out, lse = be.forward(q, k, v, spec)
+    grads = be.backward(do, q, k, v, out, lse, spec)
+    return [rel_err(x, r) for x, r in zip((out, lse, *grads), ref)]
+
+
+def _assert_close(got, ref, base, dtype, label):
+    for name, x, r, e0 in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        err = rel_err(x, r)
+        assert err <= 2 * e0 + FLOOR[dtype], f"{label} {name}: {err:.3g} > 2 x {e0:.3g} + floor"
+
+
+def _sim_case(P, layout, dtype, kw, b=2, chunk=6, h=4, h_kv=2, d=16, seed=0):
+    S = 2 * P * chunk
+    q, k, v, do = random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
+    ref = reference_grads(q, k, v, do, **kw)
+    base = _full_backend_errors(q, k, v, do, kw, ref)
+    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference")
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
+    out.backward(do)
+    _assert_close((out, lse, qq.grad, kk.grad, vv.grad), ref, base, dtype, f"sim P={P} {layout} {kw}")
+
+
+@pytest.mark.parametrize("P", list(range(1, 17)))
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_simulated_causal_all_world_sizes(P, layout):
+    _sim_case(P, layout, torch.float64, {"causal": True}, seed=P)
+
+
+@pytest.mark.parametrize("kw", MASKS[1:], ids=lambda kw: str(kw))
+@pytest.mark.parametrize("P", [2, 5, 8, 16])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_simulated_masks(kw, P, layout, dtype):
+    _sim_case(P, layout, dtype, kw, seed=P + 100)
+
+
+def test_simulated_mqa_and_batch():
+    _sim_case(4, "zigzag", torch.float32, {"causal": True}, b=3, h=6, h_kv=1, d=8)
+
+
+def test_cp_none_and_one_rank_group_are_one_backend_call():
+    q, k, v, do = random_qkv(1, 24, 24, 2, 2, 8)
+    a = ringfa4.attention(q, k, v, causal=True, backend="reference")
+    ref, _ = get_backend("reference").forward(q, k, v, AttnSpec(causal=True))
+    assert torch.equal(a, ref)
+    cp = ringfa4.ContextParallel(backend="reference")  # no process group: one rank
+    assert cp.world_size == 1 and torch.equal(ringfa4.attention(q, k, v, cp=cp, causal=True), ref)
+
+
+def test_simulated_validation_errors():
+    cp = ringfa4.ContextParallel.simulated(4, layout="zigzag", backend="reference")
+    q, k, v, _ = random_qkv(1, 12, 12, 2, 2, 8)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ringfa4.attention(q, k, v, cp=cp)
+    q, k, v, _ = random_qkv(1, 16, 16, 3, 2, 8)
+    with pytest.raises(ValueError, match="k heads must divide q heads 3"):
+        ringfa4.attention(q, k, v, cp=cp)
+
+
+# -- gloo ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, Pool] = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = Pool(world)
+        return made[world]
+
+    yield get
+    for p in made.values():
+        p.close()
+
+
+GLOO_CASES = [
+    (2, "zigzag", torch.float64, {"causal": True}),
+    (2, "contiguous", torch.float32, {}),
+    (3, "zigzag", torch.float64, {"causal": True, "window": (5, None)}),
+    (3, "contiguous", torch.float64, {"causal": True, "softcap": 2.5}),
+    (4, "zigzag", torch.float32, {"causal": True}),
+    (4, "zigzag", torch.float64, {"window": (9, 4)}),
+    (4, "contiguous", torch.float64, {"causal": True, "window": (40, None)}),
+    (4, "zigzag", torch.float64, {}),
+]
+
+
+@pytest.mark.parametrize("world,layout,dtype,kw", GLOO_CASES, ids=lambda x: str(x))
+def test_gloo_ring_matches_float64_and_simulated(pools, world, layout, dtype, kw):
+    shape = (2, 2 * world * 6, 4, 2, 16)
+    res = pools(world).run("ring_case", layout, dtype, shape, kw, 7)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["identical"] for _, value in res), "distributed and simulated executors differ"
+    q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=dtype, seed=7)
+    ref = reference_grads(q, k, v, do, **kw)
+    base = _full_backend_errors(q, k, v, do, kw, ref)
+    _assert_close(res[0][1]["full"], ref, base, dtype, f"gloo P={world} {layout} {kw}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_gloo_placement(pools, world, layout):
+    S = 4 * world
+    res = pools(world).run("placement", layout, S)
+    layout_obj = ringfa4.parallel.make_layout(layout, world)
+    for rank, (status, value) in enumerate(res):
+        assert status == "ok", value
+        assert torch.equal(value["positions"], layout_obj.indices(S, rank))
+        assert torch.equal(value["local"], layout_obj.indices(S, rank).float())
+        assert value["roundtrip"]
+
+
+BAD = [
+    ("shape_mismatch", r"rank 1: q.shape is \(1, 8, 2, 8\), expected \(1, 8, 4, 8\)"),
+    ("causal_mismatch", r"rank 1: causal is False, expected True"),
+    ("bad_dtype", r"rank 3: k must have q's dtype torch.float32"),
+    ("not_multiple", r"rank 0: q sequence length \(local 3 x 4 ranks\) 12 must be a multiple of 8"),
+    ("heads", r"rank 0: k heads must divide q heads 4"),
+]
+
+
+@pytest.mark.parametrize("kind,message", BAD, ids=[b[0] for b in BAD])
+def test_gloo_bad_input_same_error_on_every_rank(pools, kind, message):
+    import re
+
+    res = pools(4).run("bad_input", kind, timeout=60)
+    assert all(status == "ValueError" for status, _ in res), res
+    assert len({value for _, value in res}) == 1, res
+    assert re.search(message, res[0][1]), res[0][1]
+
+
+def test_gloo_failing_rank_is_reported_without_hang():
+    """Rank 1's kernel fails after it posted its first hop: rank 2, which waits for rank 1's second
+    hop, must time out and name rank 1's error (from the store); nobody hangs."""
+    pool = Pool(3, pg_timeout_s=20)
+    try:
+        res = pool.run("failing_rank", 1, 5.0, timeout=90)
+    finally:
+        pool.close()
+    assert res[1] == ("RuntimeError", "injected kernel failure")
+    assert res[2][0] == "RuntimeError" and "rank 1: RuntimeError: injected kernel failure" in res[2][1], res
+    assert res[0][0] in ("ok", "RuntimeError"), res
