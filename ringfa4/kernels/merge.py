@@ -10,7 +10,8 @@ Given an fp32 accumulator ``(out_acc (b, s, h, d), lse_acc (b, h, s))`` and a bl
 guarded so that a side at -inf contributes nothing and two -inf sides leave (out 0, lse -inf),
 never NaN. (The sigmoid form ``out -= sigmoid(lse_blk - lse) * (out - out_blk)`` is NaN on an
 accumulator at -inf.) All arguments may be views (e.g. one zigzag half of the accumulator); varlen
-tensors ``out (t, h, d)``, ``lse (h, t)`` work too.
+tensors ``out (t, h, d)``, ``lse (h, t)`` work too. On CUDA a fused Triton kernel
+(:mod:`.merge_triton`) does it in one pass.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import math
 
 import torch
 
-__all__ = ["merge_lse", "merge_lse_"]
+from .merge_triton import merge_lse_triton_, triton_merge_available
+
+__all__ = ["merge_lse", "merge_lse_", "merge_lse_torch_"]
 
 
 def _weights(lse_acc: torch.Tensor, lse_blk: torch.Tensor):
@@ -48,6 +51,14 @@ def merge_lse_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tens
                lse_blk: torch.Tensor) -> None:
     """Merge ``(out_blk, lse_blk)`` into the fp32 accumulator ``(out_acc, lse_acc)`` in place."""
     _check(out_acc, lse_acc, out_blk, lse_blk)
+    if out_acc.is_cuda and triton_merge_available() and merge_lse_triton_(out_acc, lse_acc, out_blk, lse_blk):
+        return
+    merge_lse_torch_(out_acc, lse_acc, out_blk, lse_blk)
+
+
+def merge_lse_torch_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor,
+                     lse_blk: torch.Tensor) -> None:
+    """The torch version of :func:`merge_lse_` (any device; the fallback of the fused kernel)."""
     new, w_acc, w_blk = _weights(lse_acc, lse_blk.to(lse_acc.dtype))
     out_acc.mul_(_to_rows(w_acc).to(out_acc.dtype))
     out_acc.add_(out_blk.to(out_acc.dtype) * _to_rows(w_blk).to(out_acc.dtype))

@@ -1,0 +1,123 @@
+"""Compute-side CP efficiency of the ring on one GPU (simulated executor).
+
+efficiency = time(one full-sequence call) / (P x time of one rank's ring work); the simulated
+executor runs all P ranks back to back, so P x (one rank) is its total time. Also timed in the
+same run: the same ranks' block calls alone (no merge, no hops), so the overhead of everything
+that is not the block kernel is ``ring / calls - 1``.
+
+    python benchmarks/ring_sim.py [--quick] [--out bench_results/ring_sim.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from triton.testing import do_bench
+
+import ringfa4
+from ringfa4.kernels import AttnSpec, get_backend
+
+
+def _inputs(S, h, d, n_sets):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [[torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+            for _ in range(n_sets)]
+
+
+def _rotating(fn, sets):
+    state = {"i": 0}
+
+    def call():
+        s = sets[state["i"] % len(sets)]
+        state["i"] += 1
+        fn(*s)
+    return call
+
+
+def _calls_alone(cp, spec, be, backward):
+    """The same blocks as the simulated ring, without merges or hops (outputs to one scratch)."""
+    def run(q, k, v, do):
+        qs, ks, vs, dos = (cp._split(t) for t in (q, k, v, do))
+        ring = cp.run(q, spec)
+        o_s = torch.empty_like(qs[0])
+        l_s = torch.empty(qs[0].shape[0], qs[0].shape[2], qs[0].shape[1], device=q.device)
+        for r in ring.ranks:
+            for t in range(ring.active_steps):
+                src = ring.schedule.source(r, t, ring.schedule.world_size)
+                for b in ring.schedule.blocks(r, t):
+                    args = (qs[r][:, b.q0:b.q1], ks[src][:, b.k0:b.k1], vs[src][:, b.k0:b.k1])
+                    o, l = be.forward(*args, ring.block_spec(b), out=o_s[:, b.q0:b.q1], lse=l_s[:, :, b.q0:b.q1])
+                    if backward:
+                        be.backward(dos[r][:, b.q0:b.q1], *args, o, l, ring.block_spec(b))
+    return run
+
+
+def _full(be, spec, backward):
+    def run(q, k, v, do):
+        o, l = be.forward(q, k, v, spec)
+        if backward:
+            be.backward(do, q, k, v, o, l, spec)
+    return run
+
+
+def _ring(cp, causal, backward):
+    def run(q, k, v, do):
+        if backward:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ringfa4.attention(q, k, v, cp=cp, causal=causal)
+        if backward:
+            out.backward(do)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="64k only")
+    ap.add_argument("--out", default="bench_results/ring_sim.json")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    be = get_backend("auto", "cuda")
+    seqs = [65536] if args.quick else [65536, 262144]
+    rows = []
+    for S in seqs:
+        sets = _inputs(S, args.heads, args.head_dim, 2 if S > 100_000 else 3)
+        rep = 60 if S > 100_000 else 200
+        for causal in (True, False):
+            spec = AttnSpec(causal=causal)
+            for backward in (False, True):
+                t_full = do_bench(_rotating(_full(be, spec, backward), sets), warmup=10, rep=rep,
+                                  return_mode="median")
+                for P in (4, 8):
+                    cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
+                    t_ring = do_bench(_rotating(_ring(cp, causal, backward), sets), warmup=10, rep=rep,
+                                      return_mode="median")
+                    t_calls = do_bench(_rotating(_calls_alone(cp, spec, be, backward), sets), warmup=10, rep=rep,
+                                       return_mode="median")
+                    row = {"S": S, "P": P, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
+                           "full_ms": t_full, "ring_ms_per_rank": t_ring / P, "calls_ms_per_rank": t_calls / P,
+                           "efficiency": t_full / t_ring, "calls_efficiency": t_full / t_calls,
+                           "overhead": t_ring / t_calls - 1, "backend": be.name}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "heads": args.heads, "head_dim": args.head_dim,
+                   "layout": "zigzag", "rows": rows}, f, indent=1)
+    print(f"\nring, simulated on one {torch.cuda.get_device_name()} ({be.name} blocks, h={args.heads}, "
+          f"d={args.head_dim}, bf16, zigzag)")
+    print("| S | P | causal | pass | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone | overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['S'] // 1024}k | {r['P']} | {'yes' if r['causal'] else 'no'} | {r['pass']} | {r['full_ms']:.2f} | "
+              f"{r['ring_ms_per_rank']:.3f} | {r['calls_ms_per_rank']:.3f} | {r['efficiency']:.3f} | "
+              f"{r['calls_efficiency']:.3f} | {100 * r['overhead']:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
