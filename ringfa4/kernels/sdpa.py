@@ -7,15 +7,10 @@ aligned (FA convention). Dense only: varlen, softcap, sliding windows, float64 a
 :class:`SdpaUnsupported` (a NotImplementedError), so ``auto`` can fall back; bad input raises
 ValueError (``validate_block``) first.
 
-What the ops do (read on an H200 with torch 2.11.0+cu130, cuDNN 9.19):
-
-==========  =============================================  =======================================
-op          LSE                                            causal with s_q != s_k
-==========  =============================================  =======================================
-cudnn       ``(b, h, s_q, 1)`` float32, contiguous          TOP-LEFT: used non-causal / square only
-flash       ``(b, h, s_q)`` float32; +inf on keyless rows   bottom-right (used for s_q < s_k)
-efficient   ``(b, h, ceil(s_q / 32) * 32)``, padded         TOP-LEFT: used non-causal / square only
-==========  =============================================  =======================================
+What the ops do (read on an H200, torch 2.11.0+cu130, cuDNN 9.19): cudnn returns LSE
+``(b, h, s_q, 1)`` (contiguous) and is TOP-LEFT causal when s_q != s_k; flash returns ``(b, h, s_q)``
+with +inf on keyless rows and is bottom-right causal; efficient returns LSE padded to
+``(b, h, ceil(s_q / 32) * 32)`` and is TOP-LEFT causal.
 
 So every call is reduced to pieces that need no alignment: causal with ``s_q > s_k`` runs the last
 ``s_k`` query rows as a square causal block (the first ``s_q - s_k`` rows see no key: out 0, lse
@@ -274,7 +269,7 @@ class SdpaBackend:
             out.copy_(o)
         if lse is not None:
             lse.copy_(l)
-        return (out if out is not None else o.contiguous()), (lse if lse is not None else l.contiguous())
+        return (out if out is not None else o.contiguous()), (lse if lse is not None else l.float().contiguous())
 
     @torch.compiler.disable
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
