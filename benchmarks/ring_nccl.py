@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ringfa4
-from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.kernels import AttnSpec, get_backend, resolve
 
 
 def _timed(fn, sets, iters=5, windows=5):
@@ -149,7 +149,7 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", local_rank))
     rank, P = dist.get_rank(), dist.get_world_size()
-    be = get_backend("auto", "cuda")
+    be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     cp = ringfa4.ContextParallel(layout="zigzag", backend=be)
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
     report["check"] = check_against_simulated(cp, be, rank, P)

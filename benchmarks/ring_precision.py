@@ -17,7 +17,7 @@ import os
 import torch
 
 import ringfa4
-from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.kernels import AttnSpec, get_backend, resolve
 
 
 def rel(x, ref):
@@ -42,7 +42,7 @@ def main() -> None:
     ref_o, ref_l = exact.forward(q64, k64, v64, spec)
     ref = [ref_o, ref_l, *exact.backward(do64, q64, k64, v64, ref_o, ref_l, spec)]
     del q64, k64, v64, do64
-    be = get_backend("auto", "cuda")
+    be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     o, l = be.forward(q, k, v, spec)
     full = [rel(x, r) for x, r in zip((o, l, *be.backward(do, q, k, v, o, l, spec)), ref)]
     rows = []

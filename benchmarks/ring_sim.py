@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench
 
 import ringfa4
-from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.kernels import AttnSpec, get_backend, resolve
 
 
 def _inputs(S, h, d, n_sets):
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
-    be = get_backend("auto", "cuda")
+    be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     seqs = [65536] if args.quick else [65536, 262144]
     rows = []
     for S in seqs:

@@ -33,7 +33,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
 
 def _single(q, k, v, spec, backend_name):
     """One differentiable backend call."""
-    be = get_backend(backend_name, q.device)
+    be = get_backend(backend_name, q.device, q.dtype)
     from .kernels.validate import validate_block
 
     validate_block(q, k, v, spec)

@@ -11,11 +11,11 @@ first use.
 from __future__ import annotations
 
 from .merge import merge_lse, merge_lse_
-from .registry import available_backends, get_backend, resolve
-from .spec import AttnSpec, BlockBackend, allowed_band, band_mask
+from .registry import FallbackBackend, available_backends, get_backend, resolve
+from .spec import AttnSpec, BackendUnsupported, BlockBackend, allowed_band, band_mask
 from .validate import validate_block
 
 __all__ = [
-    "AttnSpec", "BlockBackend", "allowed_band", "band_mask", "available_backends", "get_backend",
-    "merge_lse", "merge_lse_", "resolve", "validate_block",
+    "AttnSpec", "BackendUnsupported", "BlockBackend", "FallbackBackend", "allowed_band", "available_backends",
+    "band_mask", "get_backend", "merge_lse", "merge_lse_", "resolve", "validate_block",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .spec import AttnSpec
+from .spec import AttnSpec, BackendUnsupported
 from .validate import validate_block
 
 __all__ = ["Fa4Backend", "Fa4Unsupported"]
@@ -29,7 +29,7 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class Fa4Unsupported(ValueError, NotImplementedError):
+class Fa4Unsupported(BackendUnsupported):
     """A call that flash-attn-4 cannot run (dtype, device, head dim, output layout...)."""
 
 
@@ -91,7 +91,7 @@ class Fa4Backend:
     ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
     q's dtype, computed from the given (globally merged) ``out`` and ``lse``.
-    Raises :class:`Fa4Unsupported` (a ValueError and NotImplementedError) for calls FA4 cannot run.
+    Raises :class:`Fa4Unsupported` (a NotImplementedError) for calls FA4 cannot run.
     """
 
     name = "fa4"

@@ -1,7 +1,10 @@
 """Backend selection by name: ``reference``, ``sdpa``, ``fa4`` or ``auto``.
 
-``auto`` picks fa4 on sm90/sm100-class CUDA devices when flash-attn-4 is installed, else sdpa on
-CUDA, else reference. ``resolve("auto", device)`` says which one that is without importing it.
+``auto`` is fa4 on sm90/sm100 CUDA devices when flash-attn-4 is installed and the dtype is
+fp16/bf16, else sdpa on CUDA (not float64), else reference; ``resolve("auto", device, dtype)``
+names it without importing anything. ``get_backend("auto", ...)`` returns that backend wrapped so
+that a call it refuses (:class:`BackendUnsupported`, e.g. sdpa and a window) falls back to the
+next one in the chain (fa4 -> sdpa -> reference).
 """
 
 from __future__ import annotations
@@ -12,21 +15,21 @@ import importlib.util
 
 import torch
 
-from .spec import BlockBackend
+from .spec import AttnSpec, BackendUnsupported, BlockBackend
 
-__all__ = ["available_backends", "fa4_installed", "get_backend", "resolve"]
+__all__ = ["FallbackBackend", "available_backends", "fa4_installed", "get_backend", "resolve"]
 
 NAMES = ("reference", "sdpa", "fa4")
 
 
 @functools.cache
 def fa4_installed() -> bool:
-    """flash-attn-4 and CuTe DSL are installed (checked without importing them)."""
+    """flash-attn-4, CuTe DSL and triton are installed (checked without importing them)."""
     try:
         importlib.metadata.version("flash-attn-4")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return importlib.util.find_spec("cutlass") is not None
+    return all(importlib.util.find_spec(m) is not None for m in ("cutlass", "triton"))
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -38,30 +41,48 @@ def _device(device: torch.device | str | None) -> torch.device:
     return device
 
 
-def resolve(name: str = "auto", device: torch.device | str | None = None) -> str:
-    """The concrete backend name ``name`` stands for on ``device``."""
-    if name != "auto":
-        if name not in NAMES:
-            raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
-        return name
+def available_backends(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Backends that can run on ``device`` (and ``dtype``), best first."""
     device = _device(device)
-    if device.type != "cuda":
-        return "reference"
-    major, _ = torch.cuda.get_device_capability(device)
-    if major in (9, 10) and fa4_installed():
-        return "fa4"
-    return "sdpa"
-
-
-def available_backends(device: torch.device | str | None = None) -> list[str]:
-    """Backends that can run on ``device``."""
-    device = _device(device)
-    names = ["reference"]
+    names = []
     if device.type == "cuda":
-        names.append("sdpa")
-        if torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_installed():
+        if (torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_installed()
+                and dtype in (None, torch.float16, torch.bfloat16)):
             names.append("fa4")
-    return names
+        if dtype != torch.float64:
+            names.append("sdpa")
+    return names + ["reference"]
+
+
+def resolve(name: str = "auto", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> str:
+    """The concrete backend name ``name`` stands for on ``device`` for inputs of ``dtype``."""
+    if name == "auto":
+        return available_backends(device, dtype)[0]
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
+    return name
+
+
+class FallbackBackend:
+    """``auto``: the first backend of ``chain`` that accepts a call runs it."""
+
+    def __init__(self, chain: list[BlockBackend]) -> None:
+        self.chain = chain
+        self.name = chain[0].name
+
+    def _first(self, method: str, *args, **kwargs):
+        for backend in self.chain[:-1]:
+            try:
+                return getattr(backend, method)(*args, **kwargs)
+            except BackendUnsupported:
+                continue
+        return getattr(self.chain[-1], method)(*args, **kwargs)
+
+    def forward(self, q, k, v, spec: AttnSpec, out=None, lse=None):
+        return self._first("forward", q, k, v, spec, out=out, lse=lse)
+
+    def backward(self, dout, q, k, v, out, lse, spec: AttnSpec):
+        return self._first("backward", dout, q, k, v, out, lse, spec)
 
 
 @functools.cache
@@ -77,15 +98,26 @@ def _cached(name: str, options: tuple) -> BlockBackend:
     return Fa4Backend(**kwargs)
 
 
+@functools.cache
+def _auto(device: torch.device, dtype: torch.dtype | None) -> BlockBackend:
+    chain = [_cached(n, ()) for n in available_backends(device, dtype)]
+    return chain[0] if len(chain) == 1 else FallbackBackend(chain)
+
+
 def get_backend(name: str | BlockBackend = "auto", device: torch.device | str | None = None,
-                **options) -> BlockBackend:
+                dtype: torch.dtype | None = None, **options) -> BlockBackend:
     """The backend object for ``name`` (or ``name`` itself when it already is a backend).
 
-    ``options`` go to the backend's constructor, e.g. ``get_backend("reference",
-    compute_dtype=torch.float64)``.
+    ``options`` go to a named backend's constructor, e.g. ``get_backend("reference",
+    compute_dtype=torch.float64)``; ``dtype`` steers ``auto`` (fa4 needs fp16/bf16).
     """
     if not isinstance(name, str):
         if not isinstance(name, BlockBackend):
             raise ValueError(f"backend must be a name or a BlockBackend, got {type(name).__name__}")
         return name
-    return _cached(resolve(name, device), tuple(sorted(options.items())))
+    if name == "auto":
+        if options:
+            raise ValueError(f"backend options {sorted(options)} need an explicit backend name, not 'auto'")
+        return _auto(_device(device), dtype)
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+    return _cached(resolve(name, device), frozen)

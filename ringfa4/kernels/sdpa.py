@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .spec import AttnSpec
+from .spec import AttnSpec, BackendUnsupported
 from .validate import validate_block
 
 __all__ = ["OPS", "SdpaBackend", "SdpaUnsupported"]
@@ -46,7 +46,7 @@ _aten = torch.ops.aten
 _Piece = tuple[slice, slice, bool]  # (query rows, key columns, causal); causal is square or bottom-right
 
 
-class SdpaUnsupported(NotImplementedError):
+class SdpaUnsupported(BackendUnsupported):
     """A call that torch's fused SDPA ops cannot run (feature, dtype, device, head dim)."""
 
 

@@ -21,7 +21,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttnSpec", "BlockBackend", "allowed_band", "band_mask"]
+__all__ = ["AttnSpec", "BackendUnsupported", "BlockBackend", "allowed_band", "band_mask"]
+
+
+class BackendUnsupported(NotImplementedError):
+    """A valid call this backend cannot run (dtype, device, feature); ``auto`` falls back on it.
+    Malformed input is a ValueError instead, raised before any backend is tried."""
 
 
 def _norm_window_side(value: int | None, side: str) -> int | None:

@@ -116,7 +116,7 @@ class ContextParallel:
         seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
         schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)
         ranks = tuple(range(self.world_size)) if self.is_simulated else (self.rank,)
-        backend = get_backend(self.backend_name, q.device)
+        backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport)
 
