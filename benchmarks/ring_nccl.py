@@ -49,11 +49,11 @@ def check_against_simulated(cp, be, rank, P):
     g = torch.Generator(device="cuda").manual_seed(1234)
     q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True)
+    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
     out.backward(cp.shard(do).contiguous())
     sim = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-    so, sl = ringfa4.attention(qs, ks, vs, cp=sim, causal=True, return_lse=True)
+    so, sl = ringfa4.attention(qs, ks, vs, cp=sim, causal=True, return_lse=True, deterministic=True)
     so.backward(do)
     pairs = {"out": (out, cp.shard(so)), "lse": (lse, cp.shard(sl, 2)), "dq": (ql.grad, cp.shard(qs.grad)),
              "dk": (kl.grad, cp.shard(ks.grad)), "dv": (vl.grad, cp.shard(vs.grad))}

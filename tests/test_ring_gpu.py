@@ -35,13 +35,14 @@ def _run(cp, q, k, v, do, **kw):
 def test_loopback_poison_and_delay_are_exact(layout):
     P = 4
     q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=1)
-    plain = _run(ringfa4.ContextParallel.simulated(P, layout=layout), q, k, v, do, causal=True)
+    kw = {"causal": True, "deterministic": True}  # FA4's default dq reduction is atomic
+    plain = _run(ringfa4.ContextParallel.simulated(P, layout=layout), q, k, v, do, **kw)
     slow = LoopbackTransport(poison=True, delay_cycles=20_000_000)  # ~10 ms per hop
-    hard = _run(ringfa4.ContextParallel.simulated(P, layout=layout, transport=slow), q, k, v, do, causal=True)
+    hard = _run(ringfa4.ContextParallel.simulated(P, layout=layout, transport=slow), q, k, v, do, **kw)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, hard):
         assert torch.equal(a, b), f"{name} changed under poisoned, delayed hops"
     broken = _NoWaitTransport(poison=True, delay_cycles=20_000_000)
-    bad = _run(ringfa4.ContextParallel.simulated(P, layout=layout, transport=broken), q, k, v, do, causal=True)
+    bad = _run(ringfa4.ContextParallel.simulated(P, layout=layout, transport=broken), q, k, v, do, **kw)
     assert not all(torch.equal(a, b) for a, b in zip(plain, bad)), "the check cannot see a missing wait"
 
 
