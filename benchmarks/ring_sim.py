@@ -73,9 +73,19 @@ def _ring(cp, causal, backward):
     return run
 
 
+def _save(args, rows) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "heads": args.heads, "head_dim": args.head_dim,
+                   "layout": "zigzag", "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64k only")
+    ap.add_argument("--worlds", default="4,8", help="comma-separated P values")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--passes", choices=("both", "fwd", "fwd+bwd"), default="both")
     ap.add_argument("--out", default="bench_results/ring_sim.json")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -86,12 +96,12 @@ def main() -> None:
     for S in seqs:
         sets = _inputs(S, args.heads, args.head_dim, 2 if S > 100_000 else 3)
         rep = 60 if S > 100_000 else 200
-        for causal in (True, False):
+        for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             spec = AttnSpec(causal=causal)
-            for backward in (False, True):
+            for backward in {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]:
                 t_full = do_bench(_rotating(_full(be, spec, backward), sets), warmup=10, rep=rep,
                                   return_mode="median")
-                for P in (4, 8):
+                for P in (int(p) for p in args.worlds.split(",")):
                     cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
                     t_ring = do_bench(_rotating(_ring(cp, causal, backward), sets), warmup=10, rep=rep,
                                       return_mode="median")
@@ -103,12 +113,9 @@ def main() -> None:
                            "overhead": t_ring / t_calls - 1, "backend": be.name}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    _save(args, rows)  # after every row: a run cut short keeps what it measured
         del sets
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "heads": args.heads, "head_dim": args.head_dim,
-                   "layout": "zigzag", "rows": rows}, f, indent=1)
     print(f"\nring, simulated on one {torch.cuda.get_device_name()} ({be.name} blocks, h={args.heads}, "
           f"d={args.head_dim}, bf16, zigzag)")
     print("| S | P | causal | pass | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone | overhead |")

@@ -34,10 +34,12 @@ def _kernel():
     def merge_kernel(O, L, OB, LB, n_rows, S, H, D,
                      so_b, so_s, so_h, sl_b, sl_h, sl_s, sob_b, sob_s, sob_h, slb_b, slb_h, slb_s,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # rows ordered (b, h, s) with s fastest: lse loads are contiguous, each out row is one
+        # contiguous run of D elements
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
-        h = rows % H
-        s = (rows // H) % S
+        s = rows % S
+        h = (rows // S) % H
         b = rows // (H * S)
         l_ptr = L + b * sl_b + h * sl_h + s * sl_s
         la = tl.load(l_ptr, mask=rmask, other=-float("inf")).to(tl.float32)

@@ -77,6 +77,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     scratch_o = torch.empty(b, s, h, dv, dtype=q0.dtype, device=q0.device)
     scratch_l = torch.empty(b, h, s, dtype=lse_dtype, device=q0.device)
     steps = run.active_steps
+    fresh = [True] * len(qs)  # accumulator still empty: a block over all rows is copied, not merged
     for t in range(steps):
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
@@ -85,7 +86,12 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
                 o, l = run.backend.forward(qs[i][:, blk.q0:blk.q1], k_t[:, blk.k0:blk.k1], v_t[:, blk.k0:blk.k1],
                                            run.block_spec(blk), out=scratch_o[:, blk.q0:blk.q1],
                                            lse=scratch_l[:, :, blk.q0:blk.q1])
-                merge_lse_(outs[i][:, blk.q0:blk.q1], lses[i][:, :, blk.q0:blk.q1], o, l)
+                if fresh[i] and blk.q0 == 0 and blk.q1 == s:
+                    outs[i].copy_(o)
+                    lses[i].copy_(l)
+                else:
+                    merge_lse_(outs[i][:, blk.q0:blk.q1], lses[i][:, :, blk.q0:blk.q1], o, l)
+                fresh[i] = False
         if handle is not None:
             run.transport.wait(handle)
             cur, nxt = nxt, cur
