@@ -90,17 +90,35 @@ def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v,
     rows = every.view(world, n).tolist()
     failed = [r for r in range(world) if rows[r][0]]
     if failed:
-        messages = [None] * world
-        dist.all_gather_object(messages, error, group=group)
         first = failed[0]
-        raise ValueError(messages[first] if messages[first].startswith(f"rank {first}") else
-                         f"rank {first}: {messages[first]}")
+        message = _gather_text(group, world, error or "", device, timeout)[first]
+        raise ValueError(message if message.startswith(f"rank {first}") else f"rank {first}: {message}")
     for name, sl in _field_slices():
         ref = rows[0][1:][sl]
         for r in range(1, world):
             if rows[r][1:][sl] != ref:
                 raise ValueError(f"rank {r}: {name} is {_describe(name, rows[r][1:][sl])}, expected "
                                  f"{_describe(name, ref)} as on rank 0 (all CP ranks must agree)")
+
+
+_TEXT_BYTES = 2048
+
+
+def _gather_text(group, world: int, text: str, device, timeout: datetime.timedelta) -> list[str]:
+    """Every rank's ``text`` (utf-8, cut to 2 KiB) through one fixed-size all-gather."""
+    raw = text.encode()[:_TEXT_BYTES]
+    mine = torch.zeros(_TEXT_BYTES + 4, dtype=torch.uint8)
+    mine[:4] = torch.tensor(list(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
+    mine[4:4 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    mine = mine.to(device)
+    every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine, group=group, async_op=True).wait(timeout)
+    out = []
+    for row in every.view(world, -1).cpu().tolist():
+        n = int.from_bytes(bytes(row[:4]), "little")
+        out.append(bytes(row[4:4 + n]).decode(errors="replace"))
+    return out
 
 
 def _store():
