@@ -16,19 +16,19 @@ def _inputs(b, S, h, h_kv, d, dtype, seed):
     return random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
 
 
-def ring_case(layout, dtype, shape, kw, seed):
-    """Distributed ring on this rank's shard; returns the local results, the full results after
+def ring_case(layout, dtype, shape, kw, seed, ulysses=1):
+    """Distributed ring (or Ulysses x ring) on this rank's shard; returns the full results after
     cp.unshard, and whether the simulated executor's results for this rank are bit-identical."""
     b, S, h, h_kv, d = shape
     q, k, v, do = _inputs(b, S, h, h_kv, d, dtype, seed)
-    cp = ringfa4.ContextParallel(layout=layout, backend="reference")
+    cp = ringfa4.ContextParallel(layout=layout, backend="reference", ulysses=ulysses)
     ql, kl, vl, dol = (cp.shard(t, 1).clone().requires_grad_(t is not do) for t in (q, k, v, do))
     out, lse = ringfa4.attention(ql, kl, vl, cp=cp, return_lse=True, **kw)
     out.backward(dol)
     mine = [out.detach(), lse, ql.grad, kl.grad, vl.grad]
     full = [cp.unshard(out.detach(), 1), cp.unshard(lse, 2), cp.unshard(ql.grad, 1), cp.unshard(kl.grad, 1),
             cp.unshard(vl.grad, 1)]
-    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference")
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference", ulysses=ulysses)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     so, sl = ringfa4.attention(qs, ks, vs, cp=sim, return_lse=True, **kw)
     so.backward(do)
@@ -38,15 +38,15 @@ def ring_case(layout, dtype, shape, kw, seed):
     return {"full": full, "identical": identical} if dist.get_rank() == 0 else {"identical": identical}
 
 
-def placement(layout, S):
+def placement(layout, S, ulysses=1):
     """shard/unshard/positions agree with the layout; returns positions and the round trip."""
-    cp = ringfa4.ContextParallel(layout=layout)
+    cp = ringfa4.ContextParallel(layout=layout, ulysses=ulysses)
     x = torch.arange(S).view(1, S, 1).float()
     local = cp.shard(x, 1)
     return {"positions": cp.positions(S), "local": local.view(-1), "roundtrip": torch.equal(cp.unshard(local, 1), x)}
 
 
-def bad_input(kind):
+def bad_input(kind, ulysses=1):
     """Each kind makes some rank's input wrong; every rank must raise the same ValueError."""
     rank = dist.get_rank()
     b, s, h, h_kv, d = 1, 8, 4, 2, 8
@@ -65,7 +65,10 @@ def bad_input(kind):
     q = torch.randn(b, s, h, d)
     k = torch.randn(b, s, h_kv, d, dtype=dtype_k)
     v = torch.randn(b, s, h_kv, d, dtype=dtype_k)
-    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference")
+    if kind == "ulysses_heads":
+        q = torch.randn(b, s, 6, d)
+        k = v = torch.randn(b, s, 6, d)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference", ulysses=ulysses)
     ringfa4.attention(q, k, v, cp=cp, causal=causal)
     return "no error"
 
@@ -95,3 +98,15 @@ def failing_rank(fail_rank, timeout_s):
                                  timeout=datetime.timedelta(seconds=timeout_s))
     ringfa4.attention(cp.shard(q), cp.shard(k), cp.shard(v), cp=cp, causal=True)
     return "no error"
+
+
+def auto_plan(domain, heads, kv):
+    """ContextParallel.auto with a given domain: the plan and a hybrid attention that works."""
+    cp = ringfa4.ContextParallel.auto(num_heads=heads, num_kv_heads=kv, nvlink_domain_size=domain, backend="reference")
+    S = 8 * cp.world_size
+    q, k, v, _ = _inputs(1, S, heads, kv, 8, torch.float64, 3)
+    out = ringfa4.attention(cp.shard(q), cp.shard(k), cp.shard(v), cp=cp, causal=True)
+    full = cp.unshard(out)
+    ref = ringfa4.attention(q, k, v, causal=True, backend="reference")
+    return {"ulysses": cp.ulysses, "ring": cp.ring_size, "describe": cp.describe(),
+            "err": (full - ref).abs().max().item()}

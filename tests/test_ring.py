@@ -172,3 +172,71 @@ def test_gloo_failing_rank_is_reported_without_hang():
     assert res[1] == ("RuntimeError", "injected kernel failure")
     assert res[2][0] == "RuntimeError" and "rank 1: RuntimeError: injected kernel failure" in res[2][1], res
     assert res[0][0] in ("ok", "RuntimeError"), res
+
+
+# -- Ulysses and hybrid ----------------------------------------------------------------------------
+HYBRID_GLOO = [
+    (4, "zigzag", torch.float64, {"causal": True}, 8),
+    (2, "zigzag", torch.float64, {"causal": True}, 2),
+    (1, "zigzag", torch.float64, {"causal": True}, 2),
+    (4, "zigzag", torch.float32, {}, 1),
+    (2, "contiguous", torch.float64, {}, 1),
+    (2, "zigzag", torch.float64, {"causal": True, "window": (5, None)}, 8),
+    (4, "zigzag", torch.float64, {"window": (9, 4)}, 2),
+]
+
+
+@pytest.mark.parametrize("ulysses,layout,dtype,kw,h_kv", HYBRID_GLOO, ids=lambda x: str(x))
+def test_gloo_ulysses_and_hybrid(pools, ulysses, layout, dtype, kw, h_kv):
+    world = 4
+    shape = (2, 2 * world * 3, 8, h_kv, 16)
+    res = pools(world).run("ring_case", layout, dtype, shape, kw, 11, ulysses)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["identical"] for _, value in res), "distributed and simulated executors differ"
+    q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=dtype, seed=11)
+    ref = reference_grads(q, k, v, do, **kw)
+    base = _full_backend_errors(q, k, v, do, kw, ref)
+    _assert_close(res[0][1]["full"], ref, base, dtype, f"gloo U={ulysses} {layout} {kw} h_kv={h_kv}")
+
+
+@pytest.mark.parametrize("ulysses", [2, 4])
+def test_gloo_hybrid_placement(pools, ulysses):
+    S = 48
+    res = pools(4).run("placement", "zigzag", S, ulysses)
+    lay = ringfa4.parallel.HybridLayout(4, ringfa4.parallel.make_layout("zigzag", 4 // ulysses), ulysses)
+    for rank, (status, value) in enumerate(res):
+        assert status == "ok", value
+        assert torch.equal(value["positions"], lay.indices(S, rank)) and value["roundtrip"]
+
+
+def test_gloo_ulysses_bad_heads_same_error_everywhere(pools):
+    res = pools(4).run("bad_input", "ulysses_heads", 4, timeout=60)
+    assert all(status == "ValueError" for status, _ in res), res
+    assert len({value for _, value in res}) == 1
+    assert "q heads 6 cannot be split over a Ulysses degree of 4" in res[0][1]
+
+
+@pytest.mark.parametrize("P,U", [(2, 2), (4, 2), (8, 8), (8, 4), (12, 4), (16, 2), (16, 16)])
+@pytest.mark.parametrize("h_kv", [1, 2, 8])
+@pytest.mark.parametrize("kw", [{"causal": True}, {}, {"causal": True, "window": (7, None)}], ids=str)
+def test_simulated_hybrid(P, U, h_kv, kw):
+    R = P // U
+    S = 2 * R * U * 2
+    q, k, v, do = random_qkv(1, S, S, 16, h_kv, 8, dtype=torch.float64, seed=P * 31 + U)
+    ref = reference_grads(q, k, v, do, **kw)
+    base = _full_backend_errors(q, k, v, do, kw, ref)
+    cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend="reference", ulysses=U)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
+    out.backward(do)
+    _assert_close((out, lse, qq.grad, kk.grad, vv.grad), ref, base, torch.float64, f"sim P={P} U={U}")
+
+
+@pytest.mark.parametrize("domain,heads,kv,want", [(2, 8, 2, (2, 2)), (4, 8, 1, (4, 1)), (4, 6, 6, (2, 2)),
+                                                  (1, 8, 8, (1, 4))])
+def test_gloo_auto_plan(pools, domain, heads, kv, want):
+    res = pools(4).run("auto_plan", domain, heads, kv)
+    for status, value in res:
+        assert status == "ok", value
+        assert (value["ulysses"], value["ring"]) == want and value["err"] < 1e-12
+    assert f"Ulysses {want[0]} x ring {want[1]}" in res[0][1]["describe"]

@@ -17,7 +17,8 @@ from .layouts import Layout
 __all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout")
+_FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
+           "ulysses degree")
 _ERROR_KEY = "ringfa4/error"
 
 
@@ -44,11 +45,12 @@ def _f64_bits(x: float | None) -> int:
 def _meta(q, k, v, spec: AttnSpec, layout: Layout) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
     return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
-            _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), layout.chunks_per_rank]
+            _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), getattr(layout, "ring", layout).chunks_per_rank,
+            getattr(layout, "ulysses", 1)]
 
 
 def _field_slices():
-    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1)
+    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1)
     out, at = [], 0
     for name, n in zip(_FIELDS, sizes):
         out.append((name, slice(at, at + n)))
@@ -67,14 +69,14 @@ def _describe(name: str, vals: list[int]):
         return None if vals[0] == -1 else struct.unpack("<d", struct.pack("<q", vals[0]))[0]
     if name == "causal":
         return bool(vals[0])
-    return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0])
+    return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0]) if name == "layout" else vals[0]
 
 
 def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v, spec: AttnSpec,
                        layout: Layout, timeout: datetime.timedelta) -> None:
     """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
     every rank if any rank failed its local checks or the ranks disagree."""
-    n = 20
+    n = 21
     meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout))
     use_cuda = dist.get_backend(group) == "nccl"
     device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (

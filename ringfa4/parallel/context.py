@@ -1,11 +1,15 @@
-"""``ContextParallel``: a CP group, its layout and backend, and the ring attention autograd op.
+"""``ContextParallel``: a CP group, its layout and backend; ring, Ulysses and hybrid attention.
 
-    cp = ContextParallel(group=None, layout="zigzag", backend="auto")   # distributed
-    cp = ContextParallel.simulated(world_size=8, layout="zigzag")       # all ranks in one process
+    cp = ContextParallel(group=None, layout="zigzag", backend="auto")   # ring over the group
+    cp = ContextParallel(group, ulysses=4)                              # Ulysses 4 x ring P/4
+    cp = ContextParallel.auto(num_heads=32, num_kv_heads=8)             # planner picks (U, R)
+    cp = ContextParallel.simulated(world_size=8, ulysses=2)             # all ranks in one process
     x_local = cp.shard(x, dim=1); pos = cp.positions(seq_len); x = cp.unshard(x_local, dim=1)
 
 Distributed: tensors are this rank's shard. Simulated: tensors are the full sequence (shard and
-unshard are the identity, positions are 0..S-1) and ``run`` executes every rank's schedule.
+unshard are the identity, positions are 0..S-1) and every rank's work runs in this process.
+Rank p of a hybrid group is (ring group g, Ulysses index u) = divmod(p, U): Ulysses inside groups
+of U consecutive ranks (the NVLink domain), the ring across the R = P/U groups.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import torch.distributed as dist
 from ..kernels import AttnSpec, get_backend
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
-from .layouts import Layout, make_layout
+from .layouts import HybridLayout, Layout, make_layout
+from .planner import CPPlan, detect_nvlink_domain, plan_cp
 from .ring import RingSchedule
 from .transport import LoopbackTransport, P2PTransport
+from .ulysses import HeadSplit, expand_kv_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
 
 __all__ = ["ContextParallel", "DEFAULT_TIMEOUT"]
 
@@ -31,17 +37,17 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("RINGFA4_TIMEO
 
 class ContextParallel:
     """A context-parallel group: ``group`` (ProcessGroup, 1-D DeviceMesh, or None for the default
-    group), ``layout`` ("zigzag" | "contiguous"), ``backend`` (block-kernel name or object),
-    ``timeout`` (collectives and hops)."""
+    group), ``layout`` of the ring ("zigzag" | "contiguous"), ``backend`` (block-kernel name or
+    object), ``timeout`` (collectives and hops), ``ulysses`` degree U (P = U x R)."""
 
     def __init__(self, group=None, layout: str | Layout = "zigzag", backend="auto",
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, *, _simulated: int | None = None,
-                 _transport=None) -> None:
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, ulysses: int = 1, *,
+                 _simulated: int | None = None, _transport=None) -> None:
         self.timeout = timeout
         self.backend_name = backend
+        self.plan: CPPlan | None = None
         if _simulated is not None:
             self.group, self.rank, self.world_size = None, None, _simulated
-            self.transport = _transport or LoopbackTransport()
         else:
             if hasattr(group, "get_group"):  # DeviceMesh (one dimension)
                 group = group.get_group()
@@ -53,18 +59,71 @@ class ContextParallel:
                 self.group = group if group is not None else dist.group.WORLD
                 self.rank = dist.get_rank(self.group)
                 self.world_size = dist.get_world_size(self.group)
-            self.transport = _transport or P2PTransport(
-                self.group, self.rank, self.world_size, timeout,
-                on_timeout=lambda peer, exc: peer_failure(self.rank, peer, exc))
-        self.layout = make_layout(layout, self.world_size)
+        if not isinstance(ulysses, int) or ulysses < 1 or self.world_size % ulysses:
+            raise ValueError(f"ulysses degree must divide the CP world size {self.world_size}, got {ulysses!r}")
+        self.ulysses, self.ring_size = ulysses, self.world_size // ulysses
+        self.ring_layout = make_layout(layout, self.ring_size)
+        self.layout = self.ring_layout if ulysses == 1 else HybridLayout(self.world_size, self.ring_layout, ulysses)
+        self.ulysses_group = None
+        if ulysses == 1:
+            self._ring = self
+            if _simulated is None:
+                self.transport = _transport or P2PTransport(
+                    self.group, self.rank, self.world_size, timeout,
+                    on_timeout=lambda peer, exc: peer_failure(self.rank, peer, exc))
+            else:
+                self.transport = _transport or LoopbackTransport()
+        elif _simulated is not None:
+            self._ring = ContextParallel.simulated(self.ring_size, self.ring_layout, backend, _transport)
+        else:
+            self.ulysses_group, ring_group = self._subgroups()
+            self._ring = ContextParallel(ring_group, self.ring_layout, backend, timeout, _transport=_transport)
+
+    def _subgroups(self):
+        """(Ulysses group of my g, ring group of my u); every rank creates all, in the same order."""
+        U, R = self.ulysses, self.ring_size
+        ranks = [dist.get_global_rank(self.group, i) for i in range(self.world_size)]
+        g, u = divmod(self.rank, U)
+        mine_u = mine_r = None
+        for gg in range(R):
+            pg = dist.new_group(ranks[gg * U:(gg + 1) * U], timeout=self.timeout)
+            mine_u = pg if gg == g else mine_u
+        for uu in range(U):
+            pg = dist.new_group(ranks[uu::U], timeout=self.timeout)
+            mine_r = pg if uu == u else mine_r
+        return mine_u, mine_r
 
     @classmethod
     def simulated(cls, world_size: int, layout: str | Layout = "zigzag", backend="auto",
-                  transport: LoopbackTransport | None = None) -> ContextParallel:
-        """All ``world_size`` ranks in this process on one device (loopback hops)."""
+                  transport: LoopbackTransport | None = None, ulysses: int = 1) -> ContextParallel:
+        """All ``world_size`` ranks in this process on one device (loopback hops; the Ulysses
+        all-to-all is a head split, which moves nothing on one device)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        return cls(layout=layout, backend=backend, _simulated=world_size, _transport=transport)
+        return cls(layout=layout, backend=backend, ulysses=ulysses, _simulated=world_size, _transport=transport)
+
+    @classmethod
+    def auto(cls, group=None, num_heads: int | None = None, num_kv_heads: int | None = None,
+             nvlink_domain_size: int | None = None, backend="auto", layout: str = "zigzag",
+             timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> ContextParallel:
+        """(U, R) from the planner (:mod:`ringfa4.parallel.planner`): U as large as the heads and
+        the NVLink domain allow, the ring for the rest. ``cp.describe()`` says what it chose."""
+        if num_heads is None or num_kv_heads is None:
+            raise ValueError("ContextParallel.auto needs num_heads and num_kv_heads")
+        probe = cls(group, layout, backend, timeout)
+        domain, source = detect_nvlink_domain(nvlink_domain_size, probe.group)
+        plan = plan_cp(probe.world_size, num_heads, num_kv_heads, domain, source, layout)
+        cp = probe if plan.ulysses == 1 else cls(probe.group, layout, backend, timeout, ulysses=plan.ulysses)
+        cp.plan = plan
+        return cp
+
+    def describe(self) -> str:
+        """The plan in words (printed by recipes)."""
+        if self.plan is not None:
+            return self.plan.describe()
+        kind = "simulated" if self.is_simulated else "distributed"
+        return (f"CP ({kind}): P={self.world_size} = Ulysses {self.ulysses} x ring {self.ring_size} "
+                f"({self.ring_layout.name})")
 
     @property
     def is_simulated(self) -> bool:
@@ -72,7 +131,8 @@ class ContextParallel:
 
     def __repr__(self) -> str:
         kind = "simulated" if self.is_simulated else f"rank {self.rank}"
-        return f"ContextParallel({kind}, world_size={self.world_size}, layout={self.layout.name!r})"
+        return (f"ContextParallel({kind}, world_size={self.world_size}, ulysses={self.ulysses}, "
+                f"layout={self.ring_layout.name!r})")
 
     # -- data placement --------------------------------------------------------------------------
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -106,11 +166,41 @@ class ContextParallel:
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
         """Local checks, then (distributed) the metadata all-gather: the same ValueError everywhere."""
         error = check_local(q, k, v, spec, self.layout, self._where(), local=not self.is_simulated)
+        if error is None and self.ulysses > 1:
+            try:
+                HeadSplit(q.shape[2], k.shape[2], self.ulysses, self._where())
+            except ValueError as exc:
+                error = str(exc)
         if self.is_simulated or self.world_size == 1:
             if error:
                 raise ValueError(error)
             return
         exchange_and_check(self.group, self.rank, self.world_size, error, q, k, v, spec, self.layout, self.timeout)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CP attention of the local (or, simulated, full) q, k, v: ``(out, lse)``."""
+        self.validate(q, k, v, spec)
+        if self.ulysses == 1:
+            return self._ring_attention(q, k, v, spec)
+        split = HeadSplit(q.shape[2], k.shape[2], self.ulysses)
+        k, v = expand_kv_heads(k, split.kv_factor), expand_kv_heads(v, split.kv_factor)
+        U = self.ulysses
+        if self.is_simulated:  # each Ulysses index's heads, over the R-ring of the full sequence
+            parts = [self._ring._ring_attention(*(split_heads(t, U, u).contiguous() for t in (q, k, v)), spec)
+                     for u in range(U)]
+            return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
+        comm = (self.ulysses_group, U, self.timeout, lambda exc: peer_failure(self.rank, None, exc, "an all-to-all"))
+        qh, kh, vh = seq_to_heads([q, k, v], *comm)
+        out, lse = self._ring._ring_attention(qh, kh, vh, spec)
+        return heads_to_seq(out, *comm), lse_heads_to_seq(lse, *comm)
+
+    def _ring_attention(self, q, k, v, spec):
+        if self.world_size == 1:
+            from ..api import _BlockAttention  # one backend call
+
+            return _BlockAttention.apply(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
+        return _RingAttention.apply(q, k, v, self, spec)
 
     def run(self, q: torch.Tensor, spec: AttnSpec) -> RingRun:
         seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
@@ -119,12 +209,6 @@ class ContextParallel:
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport)
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ring attention of the local (or, simulated, full) q, k, v: ``(out, lse)``."""
-        self.validate(q, k, v, spec)
-        return _RingAttention.apply(q, k, v, self, spec)
 
     # per-rank views for the simulated executor
     def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -152,11 +236,8 @@ class _RingAttention(torch.autograd.Function):
         qs, ks, vs = cp._split(q), cp._split(k), cp._split(v)
         outs, lses = cp._guard(ring_forward, run, qs, ks, vs)
         ctx.cp, ctx.run = cp, run
-        ctx.save_for_backward(q, k, v)
-        ctx.parts = (qs, ks, vs, outs, lses) if cp.is_simulated else None
         out, lse = cp._join(outs), cp._join(lses, dim=2)
-        if not cp.is_simulated:
-            ctx.parts = ([q], [k], [v], [out], [lse])
+        ctx.parts = (qs, ks, vs, outs, lses) if cp.is_simulated else ([q], [k], [v], [out], [lse])
         ctx.mark_non_differentiable(lse)
         return out, lse
 

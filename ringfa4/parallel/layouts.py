@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ContiguousLayout", "Layout", "ZigzagLayout", "make_layout"]
+__all__ = ["ContiguousLayout", "HybridLayout", "Layout", "ZigzagLayout", "make_layout"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,47 @@ class ZigzagLayout(Layout):
 
     def chunks(self, rank: int) -> list[int]:
         return [rank, 2 * self.world_size - 1 - rank]
+
+
+@dataclass(frozen=True)
+class HybridLayout(Layout):
+    """Ulysses x ring: ``world_size = U x R`` ranks, rank ``p = g*U + u``. Ring rank ``g`` (a group
+    of U ranks, the NVLink domain) holds its ``ring`` layout tokens; inside the group they are cut
+    into U equal consecutive pieces in local order, and rank u holds piece u. After the Ulysses
+    all-to-all (pieces concatenated in u order) every rank of group g holds exactly ring rank g's
+    tokens for 1/U of the heads. Causal picture: the ring layout's, with each row split in U."""
+
+    ring: Layout = None  # type: ignore[assignment]
+    ulysses: int = 1
+    name = "hybrid"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ring is None or self.ring.world_size * self.ulysses != self.world_size:
+            raise ValueError(f"hybrid layout needs ring.world_size x ulysses == world_size {self.world_size}")
+
+    @property
+    def multiple(self) -> int:
+        return self.ring.multiple * self.ulysses
+
+    def check_seq_len(self, seq_len: int, what: str = "sequence length", where: str = "") -> None:
+        if seq_len % self.multiple != 0:
+            raise ValueError(f"{where}{what} {seq_len} must be a multiple of {self.multiple} for the "
+                             f"{self.ring.name} ring over {self.ring.world_size} groups x Ulysses {self.ulysses} "
+                             "(uneven lengths: use packing)")
+
+    def segments(self, seq_len: int, rank: int) -> list[tuple[int, int]]:
+        self.check_seq_len(seq_len)
+        g, u = divmod(rank, self.ulysses)
+        piece = seq_len // self.world_size
+        lo, hi = u * piece, (u + 1) * piece  # in the ring rank's local order
+        out, at = [], 0
+        for start, n in self.ring.segments(seq_len, g):
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                out.append((start + a - at, b - a))
+            at += n
+        return out
 
 
 _LAYOUTS = {"contiguous": ContiguousLayout, "zigzag": ZigzagLayout}
