@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--worlds", default="2,4,8,16,32")
+    ap.add_argument("--worlds", default="2,4,8,16,32", help="P values, or PxU for Ulysses U x ring P/U")
     ap.add_argument("--out", default="bench_results/ring_precision.json")
     args = ap.parse_args()
     S, h, d = args.seq, args.heads, 128
@@ -46,13 +46,14 @@ def main() -> None:
     o, l = be.forward(q, k, v, spec)
     full = [rel(x, r) for x, r in zip((o, l, *be.backward(do, q, k, v, o, l, spec)), ref)]
     rows = []
-    for P in (int(p) for p in args.worlds.split(",")):
-        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
+    for item in args.worlds.split(","):
+        P, U = (int(x) for x in item.split("x")) if "x" in item else (int(item), 1)
+        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U)
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, return_lse=True)
         out.backward(do)
         errs = [rel(x, r) for x, r in zip((out, lse, qq.grad, kk.grad, vv.grad), ref)]
-        rows.append({"P": P, "errors": errs, "ratios": [e / f for e, f in zip(errs, full)]})
+        rows.append({"P": P, "U": U, "errors": errs, "ratios": [e / f for e, f in zip(errs, full)]})
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -61,10 +62,10 @@ def main() -> None:
     names = ("out", "lse", "dq", "dk", "dv")
     print(f"\nring / full-sequence {be.name} error vs float64 (S={S}, h={h}, d={d}, bf16, causal zigzag)")
     print("full-call errors: " + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, full)))
-    print("| P | " + " | ".join(names) + " |")
-    print("|---|" + "---|" * len(names))
+    print("| P | U x R | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
     for r in rows:
-        print(f"| {r['P']} | " + " | ".join(f"{x:.3f}" for x in r["ratios"]) + " |")
+        print(f"| {r['P']} | {r['U']} x {r['P'] // r['U']} | " + " | ".join(f"{x:.3f}" for x in r["ratios"]) + " |")
 
 
 if __name__ == "__main__":
