@@ -48,10 +48,9 @@ def _calls_alone(cp, spec, be, backward):
             for t in range(ring.active_steps):
                 src = ring.schedule.source(r, t, ring.schedule.world_size)
                 for b in ring.schedule.blocks(r, t):
-                    args = (qs[r][:, b.q0:b.q1], ks[src][:, b.k0:b.k1], vs[src][:, b.k0:b.k1])
-                    o, l = be.forward(*args, ring.block_spec(b), out=o_s[:, b.q0:b.q1], lse=l_s[:, :, b.q0:b.q1])
+                    b.forward(be, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
                     if backward:
-                        be.backward(dos[r][:, b.q0:b.q1], *args, o, l, ring.block_spec(b))
+                        b.backward(be, dos[r], qs[r], ks[src], vs[src], o_s, l_s, ring.spec)
     return run
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..kernels import merge_lse_
+
 __all__ = ["Block", "band_block", "coalesce", "global_band"]
 
 
@@ -31,6 +33,32 @@ class Block:
     @property
     def full(self) -> bool:
         return not self.causal and self.window == (None, None)
+
+    # -- execution on dense tensors q (b, s, h, d), lse (b, h, s); the executor calls only these --
+    def covers(self, rows: int) -> bool:
+        """All ``rows`` local query rows, as one slice (the first block may be copied, not merged)."""
+        return self.q0 == 0 and self.q1 == rows
+
+    def spec(self, base):
+        return base.replace(causal=self.causal, window=self.window)
+
+    def forward(self, backend, q, k, v, base, scratch_o, scratch_l):
+        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
+        return backend.forward(q[:, r], k[:, c], v[:, c], self.spec(base), out=scratch_o[:, r], lse=scratch_l[:, :, r])
+
+    def merge(self, out_acc, lse_acc, o, l) -> None:
+        merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
+
+    def backward(self, backend, dout, q, k, v, out, lse, base):
+        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
+        return backend.backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], self.spec(base))
+
+    def add_dq(self, dq_acc, dq) -> None:
+        dq_acc[:, self.q0:self.q1] += dq
+
+    def add_dkv(self, dk_acc, dv_acc, dk, dv) -> None:
+        dk_acc[:, self.k0:self.k1] += dk
+        dv_acc[:, self.k0:self.k1] += dv
 
     @property
     def work(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import AttnSpec, BlockBackend, merge_lse_
+from ..kernels import AttnSpec, BlockBackend
 from .ring import RingSchedule
 from .transport import Transport
 
@@ -31,7 +31,7 @@ class RingRun:
     from the schedule's blocks); transport: moves buffers between ranks.
     """
 
-    schedule: RingSchedule
+    schedule: RingSchedule  # or PackedRingSchedule: blocks(rank, step), source, world_size, rows
     ranks: tuple[int, ...]
     backend: BlockBackend
     spec: AttnSpec
@@ -43,54 +43,97 @@ class RingRun:
         last = [t for t in range(s.num_steps) for r in range(s.world_size) if s.blocks(r, t)]
         return max(last) + 1 if last else 1
 
-    def block_spec(self, block) -> AttnSpec:
-        return self.spec.replace(causal=block.causal, window=block.window)
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    buf = torch.empty(k.numel() + v.numel(), dtype=dtype or k.dtype, device=k.device)
-    buf[: k.numel()].view_as(k).copy_(k)
-    buf[k.numel():].view_as(v).copy_(v)
-    return buf
+def _row_dim(x: torch.Tensor) -> int:
+    """Token dim: 1 for dense (b, s, h, d), 0 for packed (t, h, d)."""
+    return 0 if x.dim() == 3 else 1
 
 
-def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return buf[: k.numel()].view(k.shape), buf[k.numel():].view(v.shape)
+def _with_rows(x: torch.Tensor, rows: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[_row_dim(x)] = rows
+    return tuple(shape)
+
+
+def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+
+
+class _KVBuffers:
+    """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
+    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
+        self.k_shape, self.v_shape = _with_rows(k, cap_rows), _with_rows(v, cap_rows)
+        self.k_cap = math.prod(self.k_shape)
+        self.numel = self.k_cap + math.prod(self.v_shape)
+        self.template = (k, v)
+        self.dtype = dtype or k.dtype
+
+    def empty(self, device) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=self.dtype, device=device)
+
+    def zeros(self, device) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=device)
+
+    def view(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.template
+        ks, vs = _with_rows(k, rows), _with_rows(v, rows)
+        return buf[: math.prod(ks)].view(ks), buf[self.k_cap: self.k_cap + math.prod(vs)].view(vs)
+
+    def filled(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        buf = self.empty(k.device)
+        kb, vb = self.view(buf, k.shape[_row_dim(k)])
+        kb.copy_(k)
+        vb.copy_(v)
+        return buf
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _rows(run: RingRun, rank: int, x: torch.Tensor) -> int:
+    rows = getattr(run.schedule, "rows", None)
+    return rows(rank) if rows is not None else x.shape[_row_dim(x)]
+
+
+def _cap(run: RingRun, x: torch.Tensor) -> int:
+    return getattr(run.schedule, "max_rows", x.shape[_row_dim(x)])
+
+
 def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per local rank: ``out (b, s_local, h, d)`` in q's dtype and fp32 ``lse (b, h, s_local)``."""
+    """Per local rank: ``out`` like q (``(b, s, h, d)`` or packed ``(t, h, d)``) and fp32 ``lse``
+    (``(b, h, s)`` or ``(h, t)``)."""
     q0 = qs[0]
-    b, s, h, _ = q0.shape
     dv = vs[0].shape[-1]
     acc = _acc_dtype(q0)
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-    cur = [_pack(k, v) for k, v in zip(ks, vs)]
-    nxt = [torch.empty_like(c) for c in cur]
-    outs = [torch.zeros(b, s, h, dv, dtype=acc, device=q0.device) for _ in qs]
-    lses = [torch.full((b, h, s), -math.inf, dtype=lse_dtype, device=q0.device) for _ in qs]
-    scratch_o = torch.empty(b, s, h, dv, dtype=q0.dtype, device=q0.device)
-    scratch_l = torch.empty(b, h, s, dtype=lse_dtype, device=q0.device)
-    steps = run.active_steps
+    bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
+    cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
+    nxt = [bufs.empty(q0.device) for _ in cur]
+    outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
+    lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
+    scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    steps, world = run.active_steps, run.schedule.world_size
     fresh = [True] * len(qs)  # accumulator still empty: a block over all rows is copied, not merged
     for t in range(steps):
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
-            k_t, v_t = _unpack(cur[i], ks[i], vs[i])
+            q = qs[i]
+            if q.shape not in scratch:
+                scratch[q.shape] = (q.new_empty(q.shape[:-1] + (dv,)), q.new_empty(_lse_shape(q), dtype=lse_dtype))
+            k_t, v_t = bufs.view(cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
+            rows = _rows(run, r, q)
             for blk in run.schedule.blocks(r, t):
-                o, l = run.backend.forward(qs[i][:, blk.q0:blk.q1], k_t[:, blk.k0:blk.k1], v_t[:, blk.k0:blk.k1],
-                                           run.block_spec(blk), out=scratch_o[:, blk.q0:blk.q1],
-                                           lse=scratch_l[:, :, blk.q0:blk.q1])
-                if fresh[i] and blk.q0 == 0 and blk.q1 == s:
+                o, l = blk.forward(run.backend, q, k_t, v_t, run.spec, *scratch[q.shape])
+                if fresh[i] and blk.covers(rows):
                     outs[i].copy_(o)
                     lses[i].copy_(l)
                 else:
-                    merge_lse_(outs[i][:, blk.q0:blk.q1], lses[i][:, :, blk.q0:blk.q1], o, l)
+                    blk.merge(outs[i], lses[i], o, l)
                 fresh[i] = False
         if handle is not None:
             run.transport.wait(handle)
@@ -103,35 +146,35 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per local rank: dq, dk, dv in the inputs' dtypes (accumulated in fp32)."""
     acc = _acc_dtype(qs[0])
-    steps = run.active_steps
-    world = run.schedule.world_size
-    kv_cur = [_pack(k, v) for k, v in zip(ks, vs)]
-    kv_nxt = [torch.empty_like(c) for c in kv_cur]
-    dkv_cur = [torch.zeros(c.numel(), dtype=acc, device=c.device) for c in kv_cur]
-    dkv_nxt = [torch.empty_like(c) for c in dkv_cur]
+    steps, world = run.active_steps, run.schedule.world_size
+    bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
+    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc)
+    kv_cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
+    kv_nxt = [bufs.empty(k.device) for k in ks]
+    dkv_cur = [gbufs.zeros(k.device) for k in ks]
+    dkv_nxt = [gbufs.empty(k.device) for k in ks]
     dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
     dkv_handle = None
     for t in range(steps):
         kv_handle = run.transport.shift(kv_cur, kv_nxt, 1) if t + 1 < steps else None
-        grads = []
+        grads, held = [], []
         for i, r in enumerate(run.ranks):
-            k_t, v_t = _unpack(kv_cur[i], ks[i], vs[i])
+            src_rows = _rows(run, run.schedule.source(r, t, world), ks[i])
+            k_t, v_t = bufs.view(kv_cur[i], src_rows)
             mine = []
             for blk in run.schedule.blocks(r, t):
-                rows, cols = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
-                dq, dk, dv = run.backend.backward(douts[i][:, rows], qs[i][:, rows], k_t[:, cols], v_t[:, cols],
-                                                  outs[i][:, rows], lses[i][:, :, rows], run.block_spec(blk))
-                dqs[i][:, rows] += dq
-                mine.append((cols, dk, dv))
+                dq, dk, dv = blk.backward(run.backend, douts[i], qs[i], k_t, v_t, outs[i], lses[i], run.spec)
+                blk.add_dq(dqs[i], dq)
+                mine.append((blk, dk, dv))
             grads.append(mine)
+            held.append(src_rows)
         if dkv_handle is not None:  # dK/dV of the K/V we hold, accumulated by the ranks before us
             run.transport.wait(dkv_handle)
             dkv_cur, dkv_nxt = dkv_nxt, dkv_cur
         for i, mine in enumerate(grads):
-            dk_acc, dv_acc = _unpack(dkv_cur[i], ks[i], vs[i])
-            for cols, dk, dv in mine:
-                dk_acc[:, cols] += dk
-                dv_acc[:, cols] += dv
+            dk_acc, dv_acc = gbufs.view(dkv_cur[i], held[i])
+            for blk, dk, dv in mine:
+                blk.add_dkv(dk_acc, dv_acc, dk, dv)
         # pass the dK/dV on with the K/V; after the last step, straight to the owner
         offset = 1 if t + 1 < steps else (world - steps + 1) % world
         dkv_handle = run.transport.shift(dkv_cur, dkv_nxt, offset) if offset else None
@@ -142,8 +185,8 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         run.transport.wait(dkv_handle)
         dkv_cur = dkv_nxt
     dks, dvs = [], []
-    for i in range(len(qs)):
-        dk, dv = _unpack(dkv_cur[i], ks[i], vs[i])
+    for i, r in enumerate(run.ranks):
+        dk, dv = gbufs.view(dkv_cur[i], _rows(run, r, ks[i]))
         dks.append(dk.to(ks[i].dtype))
         dvs.append(dv.to(vs[i].dtype))
     return [dq.to(q.dtype) for dq, q in zip(dqs, qs)], dks, dvs

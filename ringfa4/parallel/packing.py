@@ -1,0 +1,144 @@
+"""Packed documents under CP: the layout applied inside every document.
+
+A packed batch is ``(total, h, d)`` with global int32 ``cu_seqlens`` (documents of any length,
+zero allowed). Each document is cut into the layout's chunks (zigzag: 2P, rank r holds chunks r
+and 2P-1-r; contiguous: P) whose lengths differ by at most one token - no padding. A rank's local
+tokens are *part-major*: first its first chunk of every document (in document order), then its
+second chunk of every document. Every (q part, kv part) pair of a ring step then tiles contiguous
+local ranges, so one varlen call covers all documents.
+
+    pack = cp.pack(cu_seqlens)                  # or cp.pack_from_position_ids(position_ids)
+    x_local = pack.shard(x, dim=0); pos = pack.positions(); x = pack.unshard(x_local, dim=0)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .layouts import Layout
+
+__all__ = ["Packing", "cu_seqlens_from_position_ids"]
+
+
+def _chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
+    """n chunks of ``length`` tokens, sizes differing by at most one: [(start, size)]."""
+    base, extra = divmod(length, n)
+    out, at = [], 0
+    for i in range(n):
+        size = base + (1 if i < extra else 0)
+        out.append((at, size))
+        at += size
+    return out
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """int32 cu_seqlens of a packed row whose positions restart at 0 at every document."""
+    pos = position_ids.reshape(-1).cpu()
+    if pos.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32)
+    starts = torch.nonzero(pos == 0).flatten().tolist()
+    if not starts or starts[0] != 0:
+        raise ValueError("position_ids must start at 0 and restart at 0 at every document")
+    d = pos[1:] - pos[:-1]
+    if bool(((d != 1) & (pos[1:] != 0)).any()):
+        raise ValueError("position_ids must count up by one inside a document and restart at 0")
+    return torch.tensor(starts + [pos.numel()], dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of a rank's local tokens: ``local`` start, ``doc`` index, ``pos`` (first token's
+    position in the document), ``length``, ``part`` (which of the rank's chunks), ``start``
+    (global token index)."""
+
+    local: int
+    doc: int
+    pos: int
+    length: int
+    part: int
+    start: int
+
+
+class Packing:
+    """The layout inside each document of a packed batch (see module docstring)."""
+
+    def __init__(self, cu_seqlens, layout: Layout) -> None:
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+        self.cu = tuple(int(x) for x in cu)
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.total = self.cu[-1]
+        self.doc_lengths = tuple(b - a for a, b in zip(self.cu, self.cu[1:]))
+
+    def __repr__(self) -> str:
+        return f"Packing({len(self.doc_lengths)} docs, {self.total} tokens, {self.layout.name} over {self.world_size})"
+
+    @functools.cache  # noqa: B019 (immutable after init)
+    def segments(self, rank: int) -> tuple[Segment, ...]:
+        """Local token runs of ``rank`` in local (part-major) order; empty chunks omitted."""
+        chunks = self.layout.chunks(rank)
+        n = self.layout.multiple
+        out, local = [], 0
+        for part, c in enumerate(chunks):
+            for doc, (start, length) in enumerate(zip(self.cu, self.doc_lengths)):
+                pos, size = _chunk_bounds(length, n)[c]
+                if size:
+                    out.append(Segment(local, doc, pos, size, part, start + pos))
+                    local += size
+        return tuple(out)
+
+    def rows(self, rank: int) -> int:
+        return sum(s.length for s in self.segments(rank))
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rows(r) for r in range(self.world_size))
+
+    def indices(self, rank: int, device=None) -> torch.Tensor:
+        segs = self.segments(rank)
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segs])
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """Positions inside each document (restarting at 0) of the local tokens (for RoPE)."""
+        segs = self.segments(rank)
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(s.pos, s.pos + s.length, device=device) for s in segs])
+
+    def local_cu_seqlens(self, rank: int) -> torch.Tensor:
+        """int32 cu_seqlens of the local tokens by (part, document) run."""
+        cu = [0]
+        for s in self.segments(rank):
+            cu.append(cu[-1] + s.length)
+        return torch.tensor(cu, dtype=torch.int32)
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        if x.shape[dim] != self.total:
+            raise ValueError(f"tensor to shard has {x.shape[dim]} tokens along dim {dim}, expected the pack's "
+                             f"total {self.total}")
+        return x.index_select(dim, self.indices(rank, x.device))
+
+    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        shape = list(parts[0].shape)
+        shape[dim] = self.total
+        out = parts[0].new_empty(shape)
+        for rank, part in enumerate(parts):
+            out.index_copy_(dim, self.indices(rank, part.device), part.narrow(dim, 0, self.rows(rank)))
+        return out
+
+    def work(self, rank: int, causal: bool = True) -> int:
+        """(query, key) pairs of attention ``rank`` computes (load balance)."""
+        total = 0
+        for s in self.segments(rank):
+            if causal:  # rows pos..pos+len-1 see pos+1 .. pos+len keys
+                total += s.length * s.pos + s.length * (s.length + 1) // 2
+            else:
+                total += s.length * self.doc_lengths[s.doc]
+        return total

@@ -1,0 +1,161 @@
+"""Ring steps over packed documents: per (rank, step), the varlen calls of all documents.
+
+For every document, each (q segment, kv segment) pair of the step is trimmed by
+:func:`band_block` under the global mask in document coordinates; blocks with the same FA settings
+and the same (q part, kv part) become one varlen call. Thanks to the part-major local order their
+ranges tile contiguous local rows (one slice); when some document drops out (an empty chunk, or a
+window) the call gathers its rows instead. No call ever holds an empty segment.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import merge_lse_
+from .blocks import band_block, global_band
+from .packing import Packing
+
+__all__ = ["PackedRingSchedule", "VarlenCall"]
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One varlen backend call: ``pairs`` of (q0, q1, k0, k1) local row ranges, all nonempty."""
+
+    pairs: tuple[tuple[int, int, int, int], ...]
+    causal: bool
+    window: tuple[int | None, int | None]
+
+    @functools.cached_property
+    def contiguous(self) -> bool:
+        return all(a[1] == b[0] and a[3] == b[2] for a, b in zip(self.pairs, self.pairs[1:]))
+
+    @functools.cached_property
+    def span(self) -> tuple[int, int, int, int]:
+        return self.pairs[0][0], self.pairs[-1][1], self.pairs[0][2], self.pairs[-1][3]
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (frozen; per device)
+    def _meta(self, device: torch.device):
+        cu_q, cu_k = [0], [0]
+        for q0, q1, k0, k1 in self.pairs:
+            cu_q.append(cu_q[-1] + q1 - q0)
+            cu_k.append(cu_k[-1] + k1 - k0)
+        qi = kidx = None
+        if not self.contiguous:
+            qi = torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]).to(device)
+            kidx = torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]).to(device)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+        return as_t(cu_q), as_t(cu_k), max(b - a for a, b, _, _ in self.pairs), \
+            max(d - c for _, _, c, d in self.pairs), qi, kidx
+
+    def spec(self, base, device):
+        cu_q, cu_k, mq, mk, _, _ = self._meta(device)
+        return base.replace(causal=self.causal, window=self.window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            max_seqlen_q=mq, max_seqlen_k=mk)
+
+    def _rows(self, x, which: str, dim: int = 0):
+        q0, q1, k0, k1 = self.span
+        if self.contiguous:
+            return x.narrow(dim, q0, q1 - q0) if which == "q" else x.narrow(dim, k0, k1 - k0)
+        idx = self._meta(x.device)[4 if which == "q" else 5]
+        return x.index_select(dim, idx)
+
+    # -- the executor's block interface, on packed q (t, h, d), lse (h, t) --------------------------
+    def covers(self, rows: int) -> bool:
+        return self.contiguous and self.span[0] == 0 and self.span[1] == rows
+
+    def forward(self, backend, q, k, v, base, scratch_o, scratch_l):
+        spec = self.spec(base, q.device)
+        qs, ks, vs = self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k")
+        if self.contiguous:
+            return backend.forward(qs, ks, vs, spec, out=self._rows(scratch_o, "q"), lse=self._rows(scratch_l, "q", 1))
+        return backend.forward(qs, ks, vs, spec)
+
+    def merge(self, out_acc, lse_acc, o, l) -> None:
+        if self.contiguous:
+            merge_lse_(self._rows(out_acc, "q"), self._rows(lse_acc, "q", 1), o, l)
+            return
+        idx = self._meta(out_acc.device)[4]
+        acc_o, acc_l = out_acc.index_select(0, idx), lse_acc.index_select(1, idx)
+        merge_lse_(acc_o, acc_l, o, l)
+        out_acc.index_copy_(0, idx, acc_o)
+        lse_acc.index_copy_(1, idx, acc_l)
+
+    def backward(self, backend, dout, q, k, v, out, lse, base):
+        return backend.backward(self._rows(dout, "q"), self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k"),
+                                self._rows(out, "q"), self._rows(lse, "q", 1).contiguous(), self.spec(base, q.device))
+
+    def add_dq(self, dq_acc, dq) -> None:
+        if self.contiguous:
+            self._rows(dq_acc, "q").add_(dq)
+        else:
+            dq_acc.index_add_(0, self._meta(dq_acc.device)[4], dq.to(dq_acc.dtype))
+
+    def add_dkv(self, dk_acc, dv_acc, dk, dv) -> None:
+        if self.contiguous:
+            self._rows(dk_acc, "k").add_(dk)
+            self._rows(dv_acc, "k").add_(dv)
+        else:
+            idx = self._meta(dk_acc.device)[5]
+            dk_acc.index_add_(0, idx, dk.to(dk_acc.dtype))
+            dv_acc.index_add_(0, idx, dv.to(dv_acc.dtype))
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRingSchedule:
+    """The ring schedule over a :class:`Packing` (same interface as ``RingSchedule``)."""
+
+    pack: Packing
+    causal: bool
+    window: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def world_size(self) -> int:
+        return self.pack.world_size
+
+    @property
+    def num_steps(self) -> int:
+        return self.pack.world_size
+
+    source = staticmethod(lambda rank, step, world_size: (rank - step) % world_size)
+
+    def rows(self, rank: int) -> int:
+        return self.pack.rows(rank)
+
+    @property
+    def max_rows(self) -> int:
+        return self.pack.max_rows
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def blocks(self, rank: int, step: int) -> tuple[VarlenCall, ...]:
+        src = self.source(rank, step, self.world_size)
+        lo, hi = global_band(self.causal, self.window)
+        kv_by_doc: dict[int, list] = {}
+        for s in self.pack.segments(src):
+            kv_by_doc.setdefault(s.doc, []).append(s)
+        groups: dict[tuple, list] = {}
+        for qs in self.pack.segments(rank):
+            for ks in kv_by_doc.get(qs.doc, ()):
+                b = band_block((qs.local, qs.pos, qs.length), (ks.local, ks.pos, ks.length), lo, hi)
+                if b is not None:
+                    groups.setdefault((qs.part, ks.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
+        return tuple(VarlenCall(tuple(sorted(p)), key[2], key[3]) for key, p in sorted(groups.items(), key=str))
+
+    def work(self, rank: int) -> int:
+        total = 0
+        for t in range(self.num_steps):
+            for call in self.blocks(rank, t):
+                for q0, q1, k0, k1 in call.pairs:
+                    m, n = q1 - q0, k1 - k0
+                    left, right = call.window
+                    right = 0 if call.causal else right
+                    if left is None and right is None:
+                        total += m * n
+                    else:
+                        lo = -float("inf") if left is None else (n - m) - left
+                        hi = float("inf") if right is None else (n - m) + right
+                        total += sum(max(0, min(n - 1, i + hi) - max(0, i + lo) + 1) for i in range(m))
+        return int(total)
