@@ -13,7 +13,7 @@ __all__ = ["attention"]
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel | None = None,
               causal: bool = False, window: tuple[int | None, int | None] = (None, None),
               softmax_scale: float | None = None, softcap: float = 0.0, return_lse: bool = False,
-              backend: str = "auto", deterministic: bool = False):
+              backend: str = "auto", deterministic: bool = False, packing=None):
     """Attention of ``q (b, s, h, d)`` over ``k, v (b, s, h_kv, d)`` (h % h_kv == 0).
 
     With a distributed ``cp`` the tensors are this rank's shards (``cp.shard``) and the result is
@@ -23,10 +23,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     no gradient. Causal is over global positions; window (left, right) with None = unbounded.
     ``deterministic`` asks the block backward for a fixed reduction order (FA4's dq is otherwise
     accumulated with atomics, so it can differ in the last bits between runs).
+    ``packing`` (``cp.pack(cu_seqlens)``): q, k, v are packed ``(t, h, d)`` documents (this rank's
+    tokens, or all of them when simulated); attention stays inside each document; lse is ``(h, t)``.
     """
     spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap,
                     deterministic=deterministic)
-    if cp is None or (cp.world_size == 1 and not cp.is_simulated):
+    if packing is not None:
+        if cp is None or packing.cp is not cp:
+            raise ValueError("packing must come from this cp (cp.pack(cu_seqlens))")
+        out, lse = cp.attention(q, k, v, spec, packing=packing)
+    elif cp is None or (cp.world_size == 1 and not cp.is_simulated):
         name = backend if cp is None else cp.backend_name
         out, lse = _single(q, k, v, spec, name)
     else:

@@ -3,6 +3,8 @@ expected; ``where`` (e.g. ``"rank 3: "``) prefixes messages raised on behalf of 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .spec import AttnSpec
@@ -12,7 +14,17 @@ __all__ = ["validate_block", "validate_cu_seqlens"]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-_CHECKED: dict[tuple, None] = {}  # cu_seqlens already checked: (ptr, version, numel, total)
+# cu_seqlens tensors already checked, keyed by the tensor object itself (weakly: a new tensor at a
+# recycled address is never mistaken for a checked one) -> {(version, total) or ("longest", version)}
+_CHECKED: dict[int, dict] = {}
+
+
+def _seen(cu: torch.Tensor) -> dict:
+    entry = _CHECKED.get(id(cu))
+    if entry is None:
+        entry = _CHECKED[id(cu)] = {}
+        weakref.finalize(cu, _CHECKED.pop, id(cu), None)
+    return entry
 
 
 def validate_cu_seqlens(cu: torch.Tensor, name: str, total: int, where: str = "") -> None:
@@ -24,8 +36,8 @@ def validate_cu_seqlens(cu: torch.Tensor, name: str, total: int, where: str = ""
         raise ValueError(f"{where}{name} must be int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{where}{name} must be 1-D with n_docs + 1 >= 2 entries, got shape {tuple(cu.shape)}")
-    key = (cu.data_ptr(), cu._version, cu.numel(), total, str(cu.device))
-    if key in _CHECKED:
+    key = (cu._version, total)
+    if key in _seen(cu):
         return
     host = cu.detach().cpu()
     if int(host[0]) != 0:
@@ -34,16 +46,15 @@ def validate_cu_seqlens(cu: torch.Tensor, name: str, total: int, where: str = ""
         raise ValueError(f"{where}{name} must be non-decreasing, got {host.tolist()}")
     if int(host[-1]) != total:
         raise ValueError(f"{where}{name}[-1] must equal the number of tokens {total}, got {int(host[-1])}")
-    if len(_CHECKED) > 256:
-        _CHECKED.clear()
-    _CHECKED[key] = None
+    _seen(cu)[key] = None
 
 
 def _longest(cu: torch.Tensor) -> int:
-    key = ("longest", cu.data_ptr(), cu._version, cu.numel(), str(cu.device))
-    if key not in _CHECKED:
-        _CHECKED[key] = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    return _CHECKED[key]
+    seen = _seen(cu)
+    key = ("longest", cu._version)
+    if key not in seen:
+        seen[key] = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return seen[key]
 
 
 def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,

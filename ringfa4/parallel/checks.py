@@ -18,7 +18,7 @@ __all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
-           "ulysses degree")
+           "ulysses degree", "packing (cu_seqlens fingerprint)")
 _ERROR_KEY = "ringfa4/error"
 
 
@@ -42,15 +42,15 @@ def _f64_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _meta(q, k, v, spec: AttnSpec, layout: Layout) -> list[int]:
+def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
     return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
             _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), getattr(layout, "ring", layout).chunks_per_rank,
-            getattr(layout, "ulysses", 1)]
+            getattr(layout, "ulysses", 1), packing]
 
 
 def _field_slices():
-    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1)
+    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1)
     out, at = [], 0
     for name, n in zip(_FIELDS, sizes):
         out.append((name, slice(at, at + n)))
@@ -73,11 +73,11 @@ def _describe(name: str, vals: list[int]):
 
 
 def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v, spec: AttnSpec,
-                       layout: Layout, timeout: datetime.timedelta) -> None:
+                       layout: Layout, timeout: datetime.timedelta, packing: int = 0) -> None:
     """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
     every rank if any rank failed its local checks or the ranks disagree."""
-    n = 21
-    meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout))
+    n = 22
+    meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout, packing))
     use_cuda = dist.get_backend(group) == "nccl"
     device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (
         torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))

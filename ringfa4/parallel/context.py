@@ -24,10 +24,12 @@ from ..kernels import AttnSpec, get_backend
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
 from .layouts import HybridLayout, Layout, make_layout
+from .packing import Packing, cu_seqlens_from_position_ids
 from .planner import CPPlan, detect_nvlink_domain, plan_cp
 from .ring import RingSchedule
 from .transport import LoopbackTransport, P2PTransport
 from .ulysses import HeadSplit, expand_kv_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
+from .varlen import PackedRingSchedule
 
 __all__ = ["ContextParallel", "DEFAULT_TIMEOUT"]
 
@@ -159,6 +161,21 @@ class ContextParallel:
             return torch.arange(seq_len, device=device)
         return self.layout.positions(seq_len, self.rank, device)
 
+    # -- packed documents ----------------------------------------------------------------------
+    def pack(self, cu_seqlens) -> Pack:
+        """The layout applied inside every document of a packed batch: ``cu_seqlens`` are the
+        batch's global int32 document boundaries (any lengths, zero allowed)."""
+        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
+            raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+        if self.ulysses > 1:
+            raise NotImplementedError("packed documents with Ulysses (ulysses > 1) are not implemented yet; "
+                                      "use the ring (ulysses=1)")
+        return Pack(self, Packing(cu_seqlens, self.ring_layout))
+
+    def pack_from_position_ids(self, position_ids: torch.Tensor) -> Pack:
+        """:meth:`pack` from HF-style position_ids that restart at 0 at every document."""
+        return self.pack(cu_seqlens_from_position_ids(position_ids))
+
     # -- attention -------------------------------------------------------------------------------
     def _where(self) -> str:
         return "" if self.is_simulated else f"rank {self.rank}: "
@@ -177,9 +194,12 @@ class ContextParallel:
             return
         exchange_and_check(self.group, self.rank, self.world_size, error, q, k, v, spec, self.layout, self.timeout)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CP attention of the local (or, simulated, full) q, k, v: ``(out, lse)``."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                  packing: Pack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """CP attention of the local (or, simulated, full) q, k, v: ``(out, lse)``; with
+        ``packing`` the tensors are packed ``(t, h, d)`` and lse is ``(h, t)``."""
+        if packing is not None:
+            return packing.attention(q, k, v, spec)
         self.validate(q, k, v, spec)
         if self.ulysses == 1:
             return self._ring_attention(q, k, v, spec)
@@ -202,22 +222,28 @@ class ContextParallel:
             return _BlockAttention.apply(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
         return _RingAttention.apply(q, k, v, self, spec)
 
-    def run(self, q: torch.Tensor, spec: AttnSpec) -> RingRun:
-        seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
-        schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)
+    def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None) -> RingRun:
+        if packing is not None:
+            schedule = PackedRingSchedule(packing, spec.causal, spec.window)
+        else:
+            seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
+            schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)
         ranks = tuple(range(self.world_size)) if self.is_simulated else (self.rank,)
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport)
 
     # per-rank views for the simulated executor
-    def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _split(self, x: torch.Tensor, packing: Packing | None = None) -> list[torch.Tensor]:
         if not self.is_simulated:
             return [x]
-        return [self.layout.shard(x, 1, r).contiguous() for r in range(self.world_size)]
+        place, dim = (self.layout, 1) if packing is None else (packing, 0)
+        return [place.shard(x, dim, r).contiguous() for r in range(self.world_size)]
 
-    def _join(self, parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-        return self.layout.unshard(parts, dim) if self.is_simulated else parts[0]
+    def _join(self, parts: list[torch.Tensor], dim: int = 1, packing: Packing | None = None) -> torch.Tensor:
+        if not self.is_simulated:
+            return parts[0]
+        return self.layout.unshard(parts, dim) if packing is None else packing.unshard(parts, dim)
 
     def _guard(self, fn, *args):
         if self.is_simulated:
@@ -231,12 +257,13 @@ class ContextParallel:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec):
-        run = cp.run(q, spec)
-        qs, ks, vs = cp._split(q), cp._split(k), cp._split(v)
+    def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec, packing: Packing | None = None):
+        run = cp.run(q, spec, packing)
+        qs, ks, vs = (cp._split(t, packing) for t in (q, k, v))
         outs, lses = cp._guard(ring_forward, run, qs, ks, vs)
-        ctx.cp, ctx.run = cp, run
-        out, lse = cp._join(outs), cp._join(lses, dim=2)
+        ctx.cp, ctx.run, ctx.packing = cp, run, packing
+        out = cp._join(outs, 1 if packing is None else 0, packing)
+        lse = cp._join(lses, 2 if packing is None else 1, packing)
         ctx.parts = (qs, ks, vs, outs, lses) if cp.is_simulated else ([q], [k], [v], [out], [lse])
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -245,7 +272,94 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         cp, run = ctx.cp, ctx.run
         qs, ks, vs, outs, lses = ctx.parts
-        douts = cp._split(dout.contiguous())
+        packing, dim = ctx.packing, 1 if ctx.packing is None else 0
+        douts = cp._split(dout.contiguous(), packing)
         dqs, dks, dvs = cp._guard(ring_backward, run, douts, qs, ks, vs, outs, lses)
         ctx.parts = None
-        return cp._join(dqs), cp._join(dks), cp._join(dvs), None, None
+        return (cp._join(dqs, dim, packing), cp._join(dks, dim, packing), cp._join(dvs, dim, packing),
+                None, None, None)
+
+
+class Pack:
+    """A :class:`Packing` bound to its CP group: ``shard``, ``unshard``, ``positions`` and the
+    packed attention. Simulated: shard/unshard are the identity, positions restart per document."""
+
+    def __init__(self, cp: ContextParallel, packing: Packing) -> None:
+        self.cp, self.packing = cp, packing
+
+    def __repr__(self) -> str:
+        return f"Pack({self.packing!r})"
+
+    @property
+    def _local(self) -> bool:
+        return not self.cp.is_simulated and self.cp.world_size > 1
+
+    def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return self.packing.shard(x, dim, self.cp.rank) if self._local else x
+
+    def unshard(self, x_local: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """All-gather the (unevenly sized) local parts back into the packed global order."""
+        if not self._local:
+            return x_local
+        cap = self.packing.max_rows
+        pad = list(x_local.shape)
+        pad[dim] = cap
+        buf = x_local.new_zeros(pad)
+        buf.narrow(dim, 0, x_local.shape[dim]).copy_(x_local)
+        parts = [torch.empty_like(buf) for _ in range(self.cp.world_size)]
+        work = dist.all_gather(parts, buf, group=self.cp.group, async_op=True)
+        try:
+            work.wait(self.cp.timeout)
+        except Exception as exc:
+            raise peer_failure(self.cp.rank, None, exc, "unshard's all-gather") from exc
+        return self.packing.unshard(parts, dim)
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Positions inside each document (restart at 0) of the local tokens."""
+        if not self._local:
+            return torch.cat([torch.arange(n, device=device) for n in self.packing.doc_lengths] or
+                             [torch.zeros(0, dtype=torch.long, device=device)])
+        return self.packing.positions(self.cp.rank, device)
+
+    def attention(self, q, k, v, spec: AttnSpec):
+        cp = self.cp
+        self.validate(q, k, v, spec)
+        if cp.world_size == 1:
+            cu = torch.tensor(self.packing.cu, dtype=torch.int32, device=q.device)
+            longest = max(self.packing.doc_lengths, default=0)
+            vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+            return cp._ring_attention(q, k, v, vspec)
+        return _RingAttention.apply(q, k, v, cp, spec, self.packing)
+
+    def validate(self, q, k, v, spec: AttnSpec) -> None:
+        cp = self.cp
+        where = cp._where()
+        rows = self.packing.total if not self._local else self.packing.rows(cp.rank)
+        error = None
+        try:
+            for name, t in (("q", q), ("k", k), ("v", v)):
+                if t.dim() != 3:
+                    raise ValueError(f"{where}{name} must be packed (total, h, d) with packing, got {tuple(t.shape)}")
+                if t.shape[0] != rows:
+                    raise ValueError(f"{where}{name} must have this rank's {rows} packed tokens, got {t.shape[0]}")
+            check_spec = spec.replace(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+            from ..kernels.validate import validate_block
+
+            validate_block(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), check_spec, where)
+        except ValueError as exc:
+            error = str(exc)
+        if not self._local:
+            if error:
+                raise ValueError(error)
+            return
+        total = self.packing.total
+        exchange_and_check(cp.group, cp.rank, cp.world_size, error, *(_Shaped(t, total) for t in (q, k, v)),
+                           spec, cp.layout, cp.timeout, packing=hash(self.packing.cu) & ((1 << 62) - 1))
+
+
+class _Shaped:
+    """A tensor stand-in for the metadata exchange: global packed shape, same dtype/device."""
+
+    def __init__(self, t: torch.Tensor, total: int) -> None:
+        self.shape = (1, total) + tuple(t.shape[1:])
+        self.dtype, self.device, self.is_cuda = t.dtype, t.device, t.is_cuda

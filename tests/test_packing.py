@@ -1,0 +1,188 @@
+"""Packed variable-length documents through the ring: per-document float64 reference (out, lse,
+dq, dk, dv), no leakage across documents, load balance, placement, and bad input."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+from dist_pool import Pool
+from helpers import random_cu_seqlens, reference_grads, rel_err
+
+import ringfa4
+from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.parallel import make_layout
+from ringfa4.parallel.packing import Packing, cu_seqlens_from_position_ids
+
+FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6}
+MASKS = [{"causal": True}, {}, {"causal": True, "window": (5, None)}, {"window": (4, 3), "softcap": 2.0}]
+
+
+def _lengths(seed, P, n=8):
+    rnd = random.Random(seed)
+    # zero, one, fewer tokens than P, ordinary, and one document longer than the rest together
+    pool = [0, 1, max(1, P - 1), 2 * P + 1, rnd.randint(5, 40), rnd.randint(5, 40)]
+    lengths = [rnd.choice(pool) for _ in range(n)]
+    lengths.insert(rnd.randrange(len(lengths) + 1), sum(lengths) + 7)
+    return lengths
+
+
+def _data(lengths, dtype, seed, h=4, h_kv=2, d=8):
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, n, d, generator=g).to(dtype) for n in (h, h_kv, h_kv, h))
+
+
+def _base_errors(q, k, v, do, cu, kw, ref):
+    longest = int((cu[1:] - cu[:-1]).max())
+    spec = AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest, **kw)
+    be = get_backend("reference")
+    out, lse = be.forward(q, k, v, spec)
+    return [rel_err(x, r) for x, r in zip((out, lse, *be.backward(do, q, k, v, out, lse, spec)), ref)]
+
+
+def _check(got, ref, base, dtype, label):
+    for name, x, r, e0 in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        err = rel_err(x, r)
+        assert err <= 2 * e0 + FLOOR[dtype], f"{label} {name}: {err:.3g} > 2 x {e0:.3g} + floor"
+
+
+def _sim(P, layout, q, k, v, do, cu, kw):
+    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference")
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, packing=cp.pack(cu), return_lse=True, **kw)
+    out.backward(do)
+    return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("kw", MASKS, ids=str)
+def test_simulated_packed_matches_per_document_float64(P, layout, kw):
+    dtype = torch.float64
+    lengths = _lengths(P * 7 + len(kw), P)
+    cu = random_cu_seqlens(lengths)
+    q, k, v, do = _data(lengths, dtype, P)
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    base = _base_errors(q, k, v, do, cu, kw, ref)
+    _check(_sim(P, layout, q, k, v, do, cu, kw), ref, base, dtype, f"sim P={P} {layout} {kw} {lengths}")
+
+
+def test_simulated_packed_float32():
+    lengths = _lengths(3, 4)
+    cu = random_cu_seqlens(lengths)
+    q, k, v, do = _data(lengths, torch.float32, 5)
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    base = _base_errors(q, k, v, do, cu, {"causal": True}, ref)
+    _check(_sim(4, "zigzag", q, k, v, do, cu, {"causal": True}), ref, base, torch.float32, "f32")
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("victim", [0, 3, 5])
+def test_no_leakage_between_documents(P, victim):
+    lengths = [7, 1, 19, 0, 3, 26, 2 * P]
+    cu = random_cu_seqlens(lengths)
+    q, k, v, do = _data(lengths, torch.float32, 9)
+    a = _sim(P, "zigzag", q, k, v, do, cu, {"causal": True})
+    lo, hi = int(cu[victim]), int(cu[victim + 1])
+    q2, k2, v2, do2 = (t.clone() for t in (q, k, v, do))
+    for t in (q2, k2, v2, do2):
+        t[lo:hi] += torch.randn_like(t[lo:hi])
+    b = _sim(P, "zigzag", q2, k2, v2, do2, cu, {"causal": True})
+    keep = torch.ones(q.shape[0], dtype=torch.bool)
+    keep[lo:hi] = False
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+        xs, ys = (x[:, keep] if name == "lse" else x[keep]), (y[:, keep] if name == "lse" else y[keep])
+        assert torch.equal(xs, ys), f"{name} of other documents changed when document {victim} changed"
+    if hi > lo:
+        assert not torch.equal(a[0][lo:hi], b[0][lo:hi])  # the perturbed document itself did change
+
+
+def test_load_balance_of_zigzag_packing():
+    rnd = random.Random(1)
+    for P in (2, 4, 8):
+        lengths, total = [], 0
+        while total < 65536:
+            n = rnd.randint(4 * P + 1, 6000)
+            lengths.append(n)
+            total += n
+        pack = Packing(random_cu_seqlens(lengths).tolist(), make_layout("zigzag", P))
+        work = [pack.work(r) for r in range(P)]
+        ratio = max(work) / min(work)
+        print(f"P={P}: {len(lengths)} documents, {total} tokens, max/min causal work per rank {ratio:.4f}")
+        assert ratio < 1.1
+        contiguous = Packing(random_cu_seqlens(lengths).tolist(), make_layout("contiguous", P))
+        cw = [contiguous.work(r) for r in range(P)]
+        assert max(cw) / min(cw) > 1.5  # what zigzag fixes
+
+
+def test_pack_placement_and_position_ids():
+    pos = torch.tensor([0, 1, 2, 0, 0, 1, 2, 3])
+    cu = cu_seqlens_from_position_ids(pos)
+    assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32
+    with pytest.raises(ValueError, match="restart at 0"):
+        cu_seqlens_from_position_ids(torch.tensor([0, 1, 3]))
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    pack = cp.pack_from_position_ids(pos)
+    assert torch.equal(pack.positions(), pos)
+    packing = pack.packing
+    x = torch.arange(8)
+    parts = [packing.shard(x, 0, r) for r in range(2)]
+    assert torch.equal(packing.unshard(parts, 0), x)
+    assert sorted(torch.cat(parts).tolist()) == list(range(8))
+
+
+def test_packed_validation_simulated():
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    pack = cp.pack(random_cu_seqlens([4, 5]))
+    q = torch.randn(8, 2, 8)
+    with pytest.raises(ValueError, match="must have this rank's 9 packed tokens, got 8"):
+        ringfa4.attention(q, q, q, cp=cp, packing=pack)
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        cp.pack(torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="packing must come from this cp"):
+        ringfa4.attention(q, q, q, cp=ringfa4.ContextParallel.simulated(2), packing=pack)
+
+
+# -- gloo -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, Pool] = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = Pool(world)
+        return made[world]
+
+    yield get
+    for p in made.values():
+        p.close()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout,kw", [("zigzag", {"causal": True}), ("contiguous", {}),
+                                       ("zigzag", {"causal": True, "window": (5, None)})], ids=str)
+def test_gloo_packed(pools, world, layout, kw):
+    lengths = _lengths(world * 13, world)
+    res = pools(world).run("packed_case", layout, torch.float64, lengths, kw, world)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["identical"] for _, value in res), "distributed and simulated packed runs differ"
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(world)
+    q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2, 2, 4))
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    base = _base_errors(q, k, v, do, cu, kw, ref)
+    _check(res[0][1]["full"], ref, base, torch.float64, f"gloo P={world} {layout} {kw}")
+    packing = Packing(cu.tolist(), make_layout(layout, world))
+    for rank, (_, value) in enumerate(res):
+        assert torch.equal(value["positions"], packing.positions(rank)) and value["rows"] == packing.rows(rank)
+
+
+@pytest.mark.parametrize("kind,message", [("rows", r"rank 0: q must have this rank's \d+ packed tokens"),
+                                          ("cu_mismatch", r"rank 1: packing \(cu_seqlens fingerprint\)")])
+def test_gloo_packed_bad_input(pools, kind, message):
+    res = pools(2).run("packed_bad", kind, timeout=60)
+    assert all(status == "ValueError" for status, _ in res), res
+    assert len({value for _, value in res}) == 1 and re.search(message, res[0][1]), res
