@@ -112,7 +112,7 @@ def auto_plan(domain, heads, kv):
             "err": (full - ref).abs().max().item()}
 
 
-def packed_case(layout, dtype, lengths, kw, seed):
+def packed_case(layout, dtype, lengths, kw, seed, mode="ring"):
     """Packed documents through the distributed ring; full results and bit identity with the
     simulated executor."""
     from helpers import random_cu_seqlens
@@ -122,7 +122,7 @@ def packed_case(layout, dtype, lengths, kw, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(T, n, 8, generator=g).to(dtype) for n in (4, 2, 2, 4))
     cp = ringfa4.ContextParallel(layout=layout, backend="reference")
-    pack = cp.pack(cu)
+    pack = cp.pack(cu, mode)
     ql, kl, vl = (pack.shard(t).clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, return_lse=True, **kw)
     out.backward(pack.shard(do))
@@ -130,7 +130,7 @@ def packed_case(layout, dtype, lengths, kw, seed):
     full = [pack.unshard(out.detach()), pack.unshard(lse, 1), pack.unshard(ql.grad), pack.unshard(kl.grad),
             pack.unshard(vl.grad)]
     sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference")
-    spack = sim.pack(cu)
+    spack = sim.pack(cu, mode)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     so, sl = ringfa4.attention(qs, ks, vs, cp=sim, packing=spack, return_lse=True, **kw)
     so.backward(do)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import AttnSpec, get_backend
+from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
 from .layouts import HybridLayout, Layout, make_layout
@@ -162,19 +163,23 @@ class ContextParallel:
         return self.layout.positions(seq_len, self.rank, device)
 
     # -- packed documents ----------------------------------------------------------------------
-    def pack(self, cu_seqlens) -> Pack:
+    def pack(self, cu_seqlens, mode: str = "auto") -> Pack:
         """The layout applied inside every document of a packed batch: ``cu_seqlens`` are the
-        batch's global int32 document boundaries (any lengths, zero allowed)."""
+        batch's global int32 document boundaries (any lengths, zero allowed). ``mode``: "ring"
+        (K/V hops), "allgather" (one all-gather of K/V: packs of many short documents) or "auto"
+        (the rule of :mod:`ringfa4.parallel.allgather`)."""
+        if mode not in ("auto", "ring", "allgather"):
+            raise ValueError(f"mode must be 'auto', 'ring' or 'allgather', got {mode!r}")
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
             raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
         if self.ulysses > 1:
             raise NotImplementedError("packed documents with Ulysses (ulysses > 1) are not implemented yet; "
                                       "use the ring (ulysses=1)")
-        return Pack(self, Packing(cu_seqlens, self.ring_layout))
+        return Pack(self, Packing(cu_seqlens, self.ring_layout), mode)
 
-    def pack_from_position_ids(self, position_ids: torch.Tensor) -> Pack:
+    def pack_from_position_ids(self, position_ids: torch.Tensor, mode: str = "auto") -> Pack:
         """:meth:`pack` from HF-style position_ids that restart at 0 at every document."""
-        return self.pack(cu_seqlens_from_position_ids(position_ids))
+        return self.pack(cu_seqlens_from_position_ids(position_ids), mode)
 
     # -- attention -------------------------------------------------------------------------------
     def _where(self) -> str:
@@ -222,9 +227,11 @@ class ContextParallel:
             return _BlockAttention.apply(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
         return _RingAttention.apply(q, k, v, self, spec)
 
-    def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None) -> RingRun:
+    def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None,
+            allgather: bool = False) -> RingRun:
         if packing is not None:
-            schedule = PackedRingSchedule(packing, spec.causal, spec.window)
+            kind = AllGatherSchedule if allgather else PackedRingSchedule
+            schedule = kind(packing, spec.causal, spec.window)
         else:
             seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
             schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)
@@ -257,10 +264,12 @@ class ContextParallel:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec, packing: Packing | None = None):
-        run = cp.run(q, spec, packing)
+    def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec, packing: Packing | None = None,
+                allgather: bool = False):
+        run = cp.run(q, spec, packing, allgather)
         qs, ks, vs = (cp._split(t, packing) for t in (q, k, v))
-        outs, lses = cp._guard(ring_forward, run, qs, ks, vs)
+        ctx.fns = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
+        outs, lses = cp._guard(ctx.fns[0], run, qs, ks, vs)
         ctx.cp, ctx.run, ctx.packing = cp, run, packing
         out = cp._join(outs, 1 if packing is None else 0, packing)
         lse = cp._join(lses, 2 if packing is None else 1, packing)
@@ -274,18 +283,24 @@ class _RingAttention(torch.autograd.Function):
         qs, ks, vs, outs, lses = ctx.parts
         packing, dim = ctx.packing, 1 if ctx.packing is None else 0
         douts = cp._split(dout.contiguous(), packing)
-        dqs, dks, dvs = cp._guard(ring_backward, run, douts, qs, ks, vs, outs, lses)
+        dqs, dks, dvs = cp._guard(ctx.fns[1], run, douts, qs, ks, vs, outs, lses)
         ctx.parts = None
         return (cp._join(dqs, dim, packing), cp._join(dks, dim, packing), cp._join(dvs, dim, packing),
-                None, None, None)
+                None, None, None, None)
 
 
 class Pack:
     """A :class:`Packing` bound to its CP group: ``shard``, ``unshard``, ``positions`` and the
     packed attention. Simulated: shard/unshard are the identity, positions restart per document."""
 
-    def __init__(self, cp: ContextParallel, packing: Packing) -> None:
-        self.cp, self.packing = cp, packing
+    def __init__(self, cp: ContextParallel, packing: Packing, mode: str = "auto") -> None:
+        self.cp, self.packing, self.mode = cp, packing, mode
+
+    def uses_allgather(self, num_heads: int, num_kv_heads: int) -> bool:
+        """Whether attention runs in all-gather-KV mode (``mode``, or the auto rule)."""
+        if self.mode != "auto":
+            return self.mode == "allgather"
+        return prefer_allgather(self.packing, num_heads, num_kv_heads)
 
     def __repr__(self) -> str:
         return f"Pack({self.packing!r})"
@@ -329,7 +344,7 @@ class Pack:
             longest = max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             return cp._ring_attention(q, k, v, vspec)
-        return _RingAttention.apply(q, k, v, cp, spec, self.packing)
+        return _RingAttention.apply(q, k, v, cp, spec, self.packing, self.uses_allgather(q.shape[1], k.shape[1]))
 
     def validate(self, q, k, v, spec: AttnSpec) -> None:
         cp = self.cp

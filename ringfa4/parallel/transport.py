@@ -49,6 +49,14 @@ class Transport:
     def wait(self, handle: _Handle) -> None:
         raise NotImplementedError
 
+    def all_gather(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per local rank: every rank's buffer, concatenated in rank order (blocking)."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per local rank: its 1/P slice of the sum over ranks of ``fulls`` (blocking)."""
+        raise NotImplementedError
+
 
 class LoopbackTransport(Transport):
     """All ranks in this process: ``recv[(i + offset) % P] <- send[i]``."""
@@ -81,6 +89,16 @@ class LoopbackTransport(Transport):
     def wait(self, handle):
         if handle.event is not None:
             torch.cuda.current_stream().wait_event(handle.event)
+
+    def all_gather(self, bufs):
+        every = torch.cat(bufs)
+        return [every] * len(bufs)
+
+    def reduce_scatter(self, fulls):
+        total = fulls[0].clone()
+        for f in fulls[1:]:
+            total += f
+        return list(total.chunk(len(fulls)))
 
 
 class P2PTransport(Transport):
@@ -120,3 +138,29 @@ class P2PTransport(Transport):
                 if self.on_timeout is not None:
                     raise self.on_timeout(handle.event, exc) from exc
                 raise
+
+    def _blocking(self, work, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:
+            if self.on_timeout is not None:
+                raise self.on_timeout(None, exc) from exc
+            raise
+
+    def all_gather(self, bufs):
+        (b,) = bufs
+        out = b.new_empty(self.world_size * b.numel())
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._blocking(gather(out, b, group=self.group, async_op=True), "all-gather")
+        return [out]
+
+    def reduce_scatter(self, fulls):
+        (f,) = fulls
+        n = f.numel() // self.world_size
+        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our slice
+            total = f.clone()
+            self._blocking(dist.all_reduce(total, group=self.group, async_op=True), "all-reduce")
+            return [total[self.rank * n:(self.rank + 1) * n]]
+        out = f.new_empty(n)
+        self._blocking(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True), "reduce-scatter")
+        return [out]

@@ -30,12 +30,12 @@ class VarlenCall:
     window: tuple[int | None, int | None]
 
     @functools.cached_property
-    def contiguous(self) -> bool:
-        return all(a[1] == b[0] and a[3] == b[2] for a, b in zip(self.pairs, self.pairs[1:]))
+    def q_contiguous(self) -> bool:
+        return all(a[1] == b[0] for a, b in zip(self.pairs, self.pairs[1:]))
 
     @functools.cached_property
-    def span(self) -> tuple[int, int, int, int]:
-        return self.pairs[0][0], self.pairs[-1][1], self.pairs[0][2], self.pairs[-1][3]
+    def k_contiguous(self) -> bool:
+        return all(a[3] == b[2] for a, b in zip(self.pairs, self.pairs[1:]))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (frozen; per device)
     def _meta(self, device: torch.device):
@@ -43,13 +43,11 @@ class VarlenCall:
         for q0, q1, k0, k1 in self.pairs:
             cu_q.append(cu_q[-1] + q1 - q0)
             cu_k.append(cu_k[-1] + k1 - k0)
-        qi = kidx = None
-        if not self.contiguous:
-            qi = torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]).to(device)
-            kidx = torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]).to(device)
+        qi = None if self.q_contiguous else torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]).to(device)
+        ki = None if self.k_contiguous else torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]).to(device)
         as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
         return as_t(cu_q), as_t(cu_k), max(b - a for a, b, _, _ in self.pairs), \
-            max(d - c for _, _, c, d in self.pairs), qi, kidx
+            max(d - c for _, _, c, d in self.pairs), qi, ki
 
     def spec(self, base, device):
         cu_q, cu_k, mq, mk, _, _ = self._meta(device)
@@ -57,25 +55,25 @@ class VarlenCall:
                             max_seqlen_q=mq, max_seqlen_k=mk)
 
     def _rows(self, x, which: str, dim: int = 0):
-        q0, q1, k0, k1 = self.span
-        if self.contiguous:
-            return x.narrow(dim, q0, q1 - q0) if which == "q" else x.narrow(dim, k0, k1 - k0)
-        idx = self._meta(x.device)[4 if which == "q" else 5]
-        return x.index_select(dim, idx)
+        if which == "q" and self.q_contiguous:
+            return x.narrow(dim, self.pairs[0][0], self.pairs[-1][1] - self.pairs[0][0])
+        if which == "k" and self.k_contiguous:
+            return x.narrow(dim, self.pairs[0][2], self.pairs[-1][3] - self.pairs[0][2])
+        return x.index_select(dim, self._meta(x.device)[4 if which == "q" else 5])
 
     # -- the executor's block interface, on packed q (t, h, d), lse (h, t) --------------------------
     def covers(self, rows: int) -> bool:
-        return self.contiguous and self.span[0] == 0 and self.span[1] == rows
+        return self.q_contiguous and self.pairs[0][0] == 0 and self.pairs[-1][1] == rows
 
     def forward(self, backend, q, k, v, base, scratch_o, scratch_l):
         spec = self.spec(base, q.device)
         qs, ks, vs = self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k")
-        if self.contiguous:
+        if self.q_contiguous:
             return backend.forward(qs, ks, vs, spec, out=self._rows(scratch_o, "q"), lse=self._rows(scratch_l, "q", 1))
         return backend.forward(qs, ks, vs, spec)
 
     def merge(self, out_acc, lse_acc, o, l) -> None:
-        if self.contiguous:
+        if self.q_contiguous:
             merge_lse_(self._rows(out_acc, "q"), self._rows(lse_acc, "q", 1), o, l)
             return
         idx = self._meta(out_acc.device)[4]
@@ -89,13 +87,13 @@ class VarlenCall:
                                 self._rows(out, "q"), self._rows(lse, "q", 1).contiguous(), self.spec(base, q.device))
 
     def add_dq(self, dq_acc, dq) -> None:
-        if self.contiguous:
+        if self.q_contiguous:
             self._rows(dq_acc, "q").add_(dq)
         else:
             dq_acc.index_add_(0, self._meta(dq_acc.device)[4], dq.to(dq_acc.dtype))
 
     def add_dkv(self, dk_acc, dv_acc, dk, dv) -> None:
-        if self.contiguous:
+        if self.k_contiguous:
             self._rows(dk_acc, "k").add_(dk)
             self._rows(dv_acc, "k").add_(dv)
         else:

@@ -1,0 +1,147 @@
+"""All-gather-KV mode for packs of many short documents: one all-gather of every rank's K/V instead
+of P-1 ring hops, then each rank attends its local q to whole documents; dK/dV come back to their
+owners with one reduce-scatter.
+
+With short documents each ring step has little work per token but a full K/V hop, so the hops stop
+hiding behind compute; one all-gather moves the same bytes once, with no per-step latency. The
+rule (``mode="auto"`` in ``cp.pack``): per token, a ring step computes ~4 l h d / P FLOPs (l = the
+token-weighted mean document length, sum(L^2) / S) and moves 4 h_kv d bytes of K/V; at ~600
+TFLOP/s against ~300 GB/s the hop hides when l >= 2000 P h_kv / h. Below that: all-gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import band_block, global_band
+from .packing import Packing
+from .varlen import VarlenCall
+
+__all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
+
+
+def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
+    """The documented rule of the module docstring."""
+    if pack.total == 0:
+        return False
+    mean_len = sum(n * n for n in pack.doc_lengths) / pack.total
+    return mean_len < 2000 * pack.world_size * num_kv_heads / num_heads
+
+
+@dataclass(frozen=True, eq=False)
+class AllGatherSchedule:
+    """Blocks of ``rank``'s q against whole documents of the gathered K/V (global packed order)."""
+
+    pack: Packing
+    causal: bool
+    window: tuple[int | None, int | None] = (None, None)
+
+    @property
+    def world_size(self) -> int:
+        return self.pack.world_size
+
+    def rows(self, rank: int) -> int:
+        return self.pack.rows(rank)
+
+    @property
+    def max_rows(self) -> int:
+        return self.pack.max_rows
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def global_rows(self, device: torch.device) -> torch.Tensor:
+        """For each global token, its row in the rank-major gathered buffer (rank * cap + local)."""
+        idx = torch.empty(self.pack.total, dtype=torch.long)
+        cap = self.max_rows
+        for r in range(self.world_size):
+            idx[self.pack.indices(r)] = torch.arange(self.pack.rows(r)) + r * cap
+        return idx.to(device)
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
+        lo, hi = global_band(self.causal, self.window)
+        groups: dict[tuple, list] = {}
+        for s in self.pack.segments(rank):
+            doc = (self.pack.cu[s.doc], 0, self.pack.doc_lengths[s.doc])
+            b = band_block((s.local, s.pos, s.length), doc, lo, hi)
+            if b is not None:
+                groups.setdefault((s.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
+        return tuple(VarlenCall(tuple(sorted(p)), key[1], key[2]) for key, p in sorted(groups.items(), key=str))
+
+
+def _layout(k, v, cap):
+    ks, vs = (cap,) + tuple(k.shape[1:]), (cap,) + tuple(v.shape[1:])
+    return ks, vs, math.prod(ks), math.prod(ks) + math.prod(vs)
+
+
+def _flat(k, v, cap, dtype=None):
+    ks, vs, kn, n = _layout(k, v, cap)
+    buf = torch.zeros(n, dtype=dtype or k.dtype, device=k.device)
+    buf[: k.numel()].copy_(k.reshape(-1))
+    buf[kn: kn + v.numel()].copy_(v.reshape(-1))
+    return buf
+
+
+def _gathered_kv(run, ks, vs):
+    """Per local rank: (k, v) of all tokens in global packed order."""
+    sched, cap = run.schedule, run.schedule.max_rows
+    shapes = _layout(ks[0], vs[0], cap)
+    gathered = run.transport.all_gather([_flat(k, v, cap) for k, v in zip(ks, vs)])
+    out = []
+    for g in gathered:
+        rows = g.view(sched.world_size, shapes[3])
+        k_all = rows[:, : shapes[2]].reshape((-1,) + shapes[0][1:])
+        v_all = rows[:, shapes[2]:].reshape((-1,) + shapes[1][1:])
+        idx = sched.global_rows(g.device)
+        out.append((k_all.index_select(0, idx), v_all.index_select(0, idx)))
+    return out
+
+
+def allgather_forward(run, qs, ks, vs):
+    """Same contract as :func:`ring_forward`, packed tensors only."""
+    kv = _gathered_kv(run, ks, vs)
+    outs, lses = [], []
+    for i, r in enumerate(run.ranks):
+        q = qs[i]
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = torch.zeros(q.shape[:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
+        scratch = (torch.empty_like(acc, dtype=q.dtype), torch.empty_like(lse))
+        for call in run.schedule.blocks(r):
+            o, l = call.forward(run.backend, q, *kv[i], run.spec, *scratch)
+            call.merge(acc, lse, o, l)
+        outs.append(acc.to(q.dtype))
+        lses.append(lse)
+    return outs, lses
+
+
+def allgather_backward(run, douts, qs, ks, vs, outs, lses):
+    """Same contract as :func:`ring_backward`: dK/dV summed over ranks by one reduce-scatter."""
+    sched, cap = run.schedule, run.schedule.max_rows
+    kv = _gathered_kv(run, ks, vs)
+    dqs, fulls = [], []
+    for i, r in enumerate(run.ranks):
+        acc = torch.float64 if qs[i].dtype == torch.float64 else torch.float32
+        dq = torch.zeros(qs[i].shape, dtype=acc, device=qs[i].device)
+        dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
+        dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
+        for call in sched.blocks(r):
+            g = call.backward(run.backend, douts[i], qs[i], *kv[i], outs[i], lses[i], run.spec)
+            call.add_dq(dq, g[0])
+            call.add_dkv(dk, dv, g[1], g[2])
+        idx = sched.global_rows(dq.device)  # back to rank-major rows, one [dk | dv] block per owner
+        dk_rm = dk.new_zeros((sched.world_size * cap,) + tuple(dk.shape[1:])).index_copy_(0, idx, dk)
+        dv_rm = dv.new_zeros((sched.world_size * cap,) + tuple(dv.shape[1:])).index_copy_(0, idx, dv)
+        fulls.append(torch.cat([dk_rm.view(sched.world_size, -1), dv_rm.view(sched.world_size, -1)], 1).reshape(-1))
+        dqs.append(dq.to(qs[i].dtype))
+    mine = run.transport.reduce_scatter(fulls)
+    dks, dvs = [], []
+    for i, r in enumerate(run.ranks):
+        ks_, vs_, kn, _ = _layout(ks[i], vs[i], cap)
+        n = sched.rows(r)
+        dks.append(mine[i][:kn].view(ks_)[:n].to(ks[i].dtype))
+        dvs.append(mine[i][kn:].view(vs_)[:n].to(vs[i].dtype))
+    return dqs, dks, dvs
