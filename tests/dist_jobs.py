@@ -112,7 +112,7 @@ def auto_plan(domain, heads, kv):
             "err": (full - ref).abs().max().item()}
 
 
-def packed_case(layout, dtype, lengths, kw, seed, mode="ring"):
+def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2):
     """Packed documents through the distributed ring; full results and bit identity with the
     simulated executor."""
     from helpers import random_cu_seqlens
@@ -120,8 +120,8 @@ def packed_case(layout, dtype, lengths, kw, seed, mode="ring"):
     cu = random_cu_seqlens(lengths)
     T = sum(lengths)
     g = torch.Generator().manual_seed(seed)
-    q, k, v, do = (torch.randn(T, n, 8, generator=g).to(dtype) for n in (4, 2, 2, 4))
-    cp = ringfa4.ContextParallel(layout=layout, backend="reference")
+    q, k, v, do = (torch.randn(T, n, 8, generator=g).to(dtype) for n in (4, h_kv, h_kv, 4))
+    cp = ringfa4.ContextParallel(layout=layout, backend="reference", ulysses=ulysses)
     pack = cp.pack(cu, mode)
     ql, kl, vl = (pack.shard(t).clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, return_lse=True, **kw)
@@ -129,13 +129,13 @@ def packed_case(layout, dtype, lengths, kw, seed, mode="ring"):
     mine = [out.detach(), lse, ql.grad, kl.grad, vl.grad]
     full = [pack.unshard(out.detach()), pack.unshard(lse, 1), pack.unshard(ql.grad), pack.unshard(kl.grad),
             pack.unshard(vl.grad)]
-    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference")
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference", ulysses=ulysses)
     spack = sim.pack(cu, mode)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     so, sl = ringfa4.attention(qs, ks, vs, cp=sim, packing=spack, return_lse=True, **kw)
     so.backward(do)
     r = cp.rank
-    sim_mine = [pack.packing.shard(x, d, r) for x, d in ((so.detach(), 0), (sl, 1), (qs.grad, 0), (ks.grad, 0),
+    sim_mine = [pack.placement.shard(x, d, r) for x, d in ((so.detach(), 0), (sl, 1), (qs.grad, 0), (ks.grad, 0),
                                                           (vs.grad, 0))]
     identical = all(torch.equal(a, b) for a, b in zip(mine, sim_mine))
     return {"full": full, "identical": identical, "positions": pack.positions(), "rows": ql.shape[0]}

@@ -204,3 +204,39 @@ def test_auto_mode_rule():
     assert not cp.pack(torch.tensor(short.cu, dtype=torch.int32), mode="ring").uses_allgather(32, 8)
     with pytest.raises(ValueError, match="mode must be"):
         cp.pack(torch.tensor(short.cu, dtype=torch.int32), mode="fast")
+
+
+@pytest.mark.parametrize("ulysses,h_kv,mode,kw", [(2, 2, "ring", {"causal": True}), (4, 1, "ring", {"causal": True}),
+                                                  (2, 2, "allgather", {"causal": True}), (4, 4, "ring", {}),
+                                                  (2, 1, "ring", {"causal": True, "window": (5, None)})], ids=str)
+def test_gloo_packed_ulysses_and_hybrid(pools, ulysses, h_kv, mode, kw):
+    world = 4
+    lengths = _lengths(ulysses * 17 + h_kv, world)
+    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, 5, mode, ulysses, h_kv)
+    assert all(status == "ok" for status, _ in res), res
+    if mode == "ring":
+        assert all(value["identical"] for _, value in res), "distributed and simulated packed runs differ"
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, h_kv, h_kv, 4))
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    base = _base_errors(q, k, v, do, cu, kw, ref)
+    _check(res[0][1]["full"], ref, base, torch.float64, f"gloo U={ulysses} h_kv={h_kv} {mode} {kw}")
+
+
+@pytest.mark.parametrize("P,U", [(4, 2), (4, 4), (8, 2), (8, 8)])
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("h_kv", [1, 2, 8])
+def test_simulated_packed_hybrid(P, U, mode, h_kv):
+    lengths = _lengths(P * U + h_kv, P)
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(P + U)
+    q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (8, h_kv, h_kv, 8))
+    kw = {"causal": True}
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    base = _base_errors(q, k, v, do, cu, kw, ref)
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference", ulysses=U)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, packing=cp.pack(cu, mode), return_lse=True, **kw)
+    out.backward(do)
+    _check((out.detach(), lse, qq.grad, kk.grad, vv.grad), ref, base, torch.float64, f"sim P={P} U={U} {mode}")

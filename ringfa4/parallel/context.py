@@ -25,11 +25,21 @@ from .allgather import AllGatherSchedule, allgather_backward, allgather_forward,
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
 from .layouts import HybridLayout, Layout, make_layout
-from .packing import Packing, cu_seqlens_from_position_ids
+from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import CPPlan, detect_nvlink_domain, plan_cp
 from .ring import RingSchedule
 from .transport import LoopbackTransport, P2PTransport
-from .ulysses import HeadSplit, expand_kv_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
+from .ulysses import (
+    HeadSplit,
+    expand_kv_heads,
+    heads_to_seq,
+    heads_to_seq_packed,
+    lse_heads_to_seq,
+    lse_heads_to_seq_packed,
+    seq_to_heads,
+    seq_to_heads_packed,
+    split_heads,
+)
 from .varlen import PackedRingSchedule
 
 __all__ = ["ContextParallel", "DEFAULT_TIMEOUT"]
@@ -172,9 +182,6 @@ class ContextParallel:
             raise ValueError(f"mode must be 'auto', 'ring' or 'allgather', got {mode!r}")
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
             raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-        if self.ulysses > 1:
-            raise NotImplementedError("packed documents with Ulysses (ulysses > 1) are not implemented yet; "
-                                      "use the ring (ulysses=1)")
         return Pack(self, Packing(cu_seqlens, self.ring_layout), mode)
 
     def pack_from_position_ids(self, position_ids: torch.Tensor, mode: str = "auto") -> Pack:
@@ -294,7 +301,8 @@ class Pack:
     packed attention. Simulated: shard/unshard are the identity, positions restart per document."""
 
     def __init__(self, cp: ContextParallel, packing: Packing, mode: str = "auto") -> None:
-        self.cp, self.packing, self.mode = cp, packing, mode
+        self.cp, self.packing, self.mode = cp, packing, mode  # packing: the ring level's
+        self.placement = packing if cp.ulysses == 1 else HybridPacking(packing, cp.ulysses)
 
     def uses_allgather(self, num_heads: int, num_kv_heads: int) -> bool:
         """Whether attention runs in all-gather-KV mode (``mode``, or the auto rule)."""
@@ -310,13 +318,13 @@ class Pack:
         return not self.cp.is_simulated and self.cp.world_size > 1
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return self.packing.shard(x, dim, self.cp.rank) if self._local else x
+        return self.placement.shard(x, dim, self.cp.rank) if self._local else x
 
     def unshard(self, x_local: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """All-gather the (unevenly sized) local parts back into the packed global order."""
         if not self._local:
             return x_local
-        cap = self.packing.max_rows
+        cap = self.placement.max_rows
         pad = list(x_local.shape)
         pad[dim] = cap
         buf = x_local.new_zeros(pad)
@@ -327,29 +335,56 @@ class Pack:
             work.wait(self.cp.timeout)
         except Exception as exc:
             raise peer_failure(self.cp.rank, None, exc, "unshard's all-gather") from exc
-        return self.packing.unshard(parts, dim)
+        return self.placement.unshard(parts, dim)
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Positions inside each document (restart at 0) of the local tokens."""
         if not self._local:
             return torch.cat([torch.arange(n, device=device) for n in self.packing.doc_lengths] or
                              [torch.zeros(0, dtype=torch.long, device=device)])
-        return self.packing.positions(self.cp.rank, device)
+        return self.placement.positions(self.cp.rank, device)
 
     def attention(self, q, k, v, spec: AttnSpec):
         cp = self.cp
         self.validate(q, k, v, spec)
-        if cp.world_size == 1:
+        if cp.ulysses > 1:
+            return self._hybrid(q, k, v, spec)
+        return self._ring_level(q, k, v, spec, self.uses_allgather(q.shape[1], k.shape[1]), self._local)
+
+    def _hybrid(self, q, k, v, spec):
+        """Ulysses all-to-all inside the group, then the ring level's packed attention."""
+        cp, U = self.cp, self.cp.ulysses
+        split = HeadSplit(q.shape[1], k.shape[1], U)
+        allgather = self.uses_allgather(q.shape[1], k.shape[1])
+        k, v = (expand_kv_heads(t.unsqueeze(0), split.kv_factor)[0] for t in (k, v))
+        ring = Pack(cp._ring, self.packing)
+        if cp.is_simulated:  # each Ulysses index's heads over the R-ring of the whole pack
+            parts = [ring._ring_level(*(t[:, u * (t.shape[1] // U):(u + 1) * (t.shape[1] // U)].contiguous()
+                                        for t in (q, k, v)), spec, allgather, False) for u in range(U)]
+            return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
+        g, u = divmod(cp.rank, U)
+        pieces = [n for _, n in self.placement.pieces(g)]
+        comm = (cp.ulysses_group, U, cp.timeout, lambda exc: peer_failure(cp.rank, None, exc, "an all-to-all"),
+                pieces, u)
+        qh, kh, vh = seq_to_heads_packed([q, k, v], *comm)
+        out, lse = ring._ring_level(qh, kh, vh, spec, allgather, True)
+        return heads_to_seq_packed(out, *comm), lse_heads_to_seq_packed(lse, *comm)
+
+    def _ring_level(self, q, k, v, spec, allgather: bool, part_major: bool):
+        """Packed attention of this pack's (ring-level) cp, without validation. ``part_major``: the
+        tokens are a rank's local tokens in the packing's order (else the batch in global order)."""
+        cp = self.cp
+        if cp.world_size == 1 and not part_major:  # the whole batch in global order: one varlen call
             cu = torch.tensor(self.packing.cu, dtype=torch.int32, device=q.device)
             longest = max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             return cp._ring_attention(q, k, v, vspec)
-        return _RingAttention.apply(q, k, v, cp, spec, self.packing, self.uses_allgather(q.shape[1], k.shape[1]))
+        return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather)
 
     def validate(self, q, k, v, spec: AttnSpec) -> None:
         cp = self.cp
         where = cp._where()
-        rows = self.packing.total if not self._local else self.packing.rows(cp.rank)
+        rows = self.packing.total if not self._local else self.placement.rows(cp.rank)
         error = None
         try:
             for name, t in (("q", q), ("k", k), ("v", v)):
@@ -361,6 +396,8 @@ class Pack:
             from ..kernels.validate import validate_block
 
             validate_block(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), check_spec, where)
+            if cp.ulysses > 1:
+                HeadSplit(q.shape[1], k.shape[1], cp.ulysses, where)
         except ValueError as exc:
             error = str(exc)
         if not self._local:

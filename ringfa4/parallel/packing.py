@@ -142,3 +142,49 @@ class Packing:
             else:
                 total += s.length * self.doc_lengths[s.doc]
         return total
+
+
+class HybridPacking:
+    """Packed documents under Ulysses U x ring R: ring rank g's local tokens (part-major, from the
+    ring-level :class:`Packing`) are cut into U consecutive pieces of near-equal size, and CP rank
+    ``p = g*U + u`` holds piece u. The Ulysses all-to-all (pieces concatenated in u order) gives
+    every rank of group g exactly ring rank g's tokens."""
+
+    def __init__(self, ring: Packing, ulysses: int) -> None:
+        self.ring, self.ulysses = ring, ulysses
+        self.world_size = ring.world_size * ulysses
+        self.total, self.cu, self.doc_lengths = ring.total, ring.cu, ring.doc_lengths
+
+    def pieces(self, g: int) -> list[tuple[int, int]]:
+        """(start, size) of the U pieces of ring rank g's local rows."""
+        return _chunk_bounds(self.ring.rows(g), self.ulysses)
+
+    def rows(self, rank: int) -> int:
+        g, u = divmod(rank, self.ulysses)
+        return self.pieces(g)[u][1]
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rows(p) for p in range(self.world_size))
+
+    def _narrow(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        g, u = divmod(rank, self.ulysses)
+        start, size = self.pieces(g)[u]
+        return full[start:start + size]
+
+    def indices(self, rank: int, device=None) -> torch.Tensor:
+        return self._narrow(self.ring.indices(rank // self.ulysses, device), rank)
+
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        return self._narrow(self.ring.positions(rank // self.ulysses, device), rank)
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        return x.index_select(dim, self.indices(rank, x.device))
+
+    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        shape = list(parts[0].shape)
+        shape[dim] = self.total
+        out = parts[0].new_empty(shape)
+        for rank, part in enumerate(parts):
+            out.index_copy_(dim, self.indices(rank, part.device), part.narrow(dim, 0, self.rows(rank)))
+        return out

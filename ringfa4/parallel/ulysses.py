@@ -14,7 +14,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-__all__ = ["HeadSplit", "expand_kv_heads", "heads_to_seq", "lse_heads_to_seq", "seq_to_heads", "split_heads"]
+__all__ = ["HeadSplit", "expand_kv_heads", "heads_to_seq", "heads_to_seq_packed", "lse_heads_to_seq",
+           "lse_heads_to_seq_packed", "seq_to_heads", "seq_to_heads_packed", "split_heads"]
 
 
 class HeadSplit:
@@ -128,6 +129,88 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None, _exchange([g.contiguous()], *ctx.comm, to_heads=True)[0]
+
+
+# -- packed (t, H, d) tensors: the U pieces of a group may differ in length ------------------------
+def _exchange_packed(tensors, group, U, timeout, on_fail, pieces: list[int], me: int, to_heads: bool):
+    """One all-to-all of several packed tensors. to_heads: my piece (n_me, H, d) -> the group's
+    rows (sum(pieces), H/U, d); else the inverse."""
+    sends, recv_sizes, shapes = [], [0] * U, []
+    for t in tensors:
+        h, d = t.shape[1], t.shape[2]
+        if to_heads:  # peer j gets my rows x its head group
+            sends.append(t.reshape(t.shape[0], U, h // U * d).transpose(0, 1).reshape(U, -1))
+            shapes.append((h // U, d))
+        else:  # peer j gets its piece's rows x my heads
+            sends.append([p.reshape(-1) for p in t.split(pieces, dim=0)])
+            shapes.append((h, d))
+    if to_heads:
+        send_sizes = [sum(s.shape[1] for s in sends)] * U
+        flat = torch.cat([torch.cat([s[j] for s in sends]) for j in range(U)])
+        for j in range(U):
+            recv_sizes[j] = pieces[j] * sum(hh * dd for hh, dd in shapes)
+    else:
+        send_sizes = [sum(s[j].numel() for s in sends) for j in range(U)]
+        flat = torch.cat([torch.cat([s[j] for s in sends]) for j in range(U)])
+        recv_sizes = [pieces[me] * sum(hh * dd for hh, dd in shapes)] * U
+    out = flat.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except Exception as exc:
+        raise on_fail(exc) from exc
+    per_peer = out.split(recv_sizes)
+    results = []
+    offsets = [0] * U
+    for hh, dd in shapes:
+        parts = []
+        for j in range(U):
+            n = (pieces[j] if to_heads else pieces[me]) * hh * dd
+            parts.append(per_peer[j][offsets[j]:offsets[j] + n])
+            offsets[j] += n
+        if to_heads:  # rows of peer j's piece, my heads
+            results.append(torch.cat([p.view(-1, hh, dd) for p in parts], dim=0))
+        else:  # my rows, head group j from peer j
+            rows = pieces[me]
+            results.append(torch.stack([p.view(rows, hh, dd) for p in parts], 1).reshape(rows, U * hh, dd))
+    return results
+
+
+class _SeqToHeadsPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, *tensors):
+        ctx.comm = comm
+        return tuple(_exchange_packed(tensors, *comm, to_heads=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_exchange_packed([g.contiguous() for g in grads], *ctx.comm, to_heads=False))
+
+
+class _HeadsToSeqPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, x):
+        ctx.comm = comm
+        return _exchange_packed([x], *comm, to_heads=False)[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, _exchange_packed([g.contiguous()], *ctx.comm, to_heads=True)[0]
+
+
+def seq_to_heads_packed(tensors, group, degree, timeout, on_fail, pieces: list[int], me: int):
+    """Packed ``(n_me, H, d)`` each -> ``(sum(pieces), H/U, d)`` (uneven pieces allowed)."""
+    return _SeqToHeadsPacked.apply((group, degree, timeout, on_fail, pieces, me), *tensors)
+
+
+def heads_to_seq_packed(x, group, degree, timeout, on_fail, pieces: list[int], me: int):
+    return _HeadsToSeqPacked.apply((group, degree, timeout, on_fail, pieces, me), x)
+
+
+def lse_heads_to_seq_packed(lse, group, degree, timeout, on_fail, pieces: list[int], me: int):
+    """``(h/U, n_group)`` -> ``(h, n_me)`` (no gradient)."""
+    y = lse.t().unsqueeze(-1).contiguous()
+    return _exchange_packed([y], group, degree, timeout, on_fail, pieces, me, to_heads=False)[0].squeeze(-1).t()
 
 
 def seq_to_heads(tensors, group, degree: int, timeout: datetime.timedelta, on_fail):
