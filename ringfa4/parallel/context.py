@@ -360,7 +360,7 @@ class Pack:
         ring = Pack(cp._ring, self.packing)
         if cp.is_simulated:  # each Ulysses index's heads over the R-ring of the whole pack
             parts = [ring._ring_level(*(t[:, u * (t.shape[1] // U):(u + 1) * (t.shape[1] // U)].contiguous()
-                                        for t in (q, k, v)), spec, allgather, False) for u in range(U)]
+                                        for t in (q, k, v)), spec, allgather, True) for u in range(U)]
             return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=0)
         g, u = divmod(cp.rank, U)
         pieces = [n for _, n in self.placement.pieces(g)]
