@@ -370,11 +370,13 @@ class Pack:
         out, lse = ring._ring_level(qh, kh, vh, spec, allgather, True)
         return heads_to_seq_packed(out, *comm), lse_heads_to_seq_packed(lse, *comm)
 
-    def _ring_level(self, q, k, v, spec, allgather: bool, part_major: bool):
-        """Packed attention of this pack's (ring-level) cp, without validation. ``part_major``: the
-        tokens are a rank's local tokens in the packing's order (else the batch in global order)."""
+    def _ring_level(self, q, k, v, spec, allgather: bool, use_schedule: bool):
+        """Packed attention of this pack's (ring-level) cp, without validation. ``use_schedule``:
+        run the packing's schedule even on one rank (the tokens are a rank's part-major local
+        tokens, or, simulated, the batch the simulated executor splits), so a hybrid's ring level
+        computes the same blocks in both executors; else one varlen call on a lone rank."""
         cp = self.cp
-        if cp.world_size == 1 and not part_major:  # the whole batch in global order: one varlen call
+        if cp.world_size == 1 and not use_schedule:  # the whole batch in global order: one varlen call
             cu = torch.tensor(self.packing.cu, dtype=torch.int32, device=q.device)
             longest = max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
