@@ -240,3 +240,18 @@ def test_simulated_packed_hybrid(P, U, mode, h_kv):
     out, lse = ringfa4.attention(qq, kk, vv, cp=cp, packing=cp.pack(cu, mode), return_lse=True, **kw)
     out.backward(do)
     _check((out.detach(), lse, qq.grad, kk.grad, vv.grad), ref, base, torch.float64, f"sim P={P} U={U} {mode}")
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_no_call_has_an_empty_segment(P):
+    from ringfa4.parallel.allgather import AllGatherSchedule
+    from ringfa4.parallel.varlen import PackedRingSchedule
+
+    lengths = [0, 1, 0, 2, P - 1, 3 * P + 1, 0, 50]
+    pack = Packing(random_cu_seqlens(lengths).tolist(), make_layout("zigzag", P))
+    for window in ((None, None), (3, None)):
+        ring = PackedRingSchedule(pack, True, window)
+        ag = AllGatherSchedule(pack, True, window)
+        calls = [c for r in range(P) for t in range(P) for c in ring.blocks(r, t)]
+        calls += [c for r in range(P) for c in ag.blocks(r)]
+        assert calls and all(q1 > q0 and k1 > k0 for c in calls for q0, q1, k0, k1 in c.pairs)
