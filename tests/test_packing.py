@@ -255,3 +255,32 @@ def test_no_call_has_an_empty_segment(P):
         calls = [c for r in range(P) for t in range(P) for c in ring.blocks(r, t)]
         calls += [c for r in range(P) for c in ag.blocks(r)]
         assert calls and all(q1 > q0 and k1 > k0 for c in calls for q0, q1, k0, k1 in c.pairs)
+
+
+def test_repeated_calls_on_a_pack_read_nothing_back_from_the_device(monkeypatch):
+    """Schedules, cu_seqlens and indices are built once per pack: later layers cost no host sync
+    (reads by the reference backend itself, which loops over documents on the host, don't count)."""
+    import sys
+
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+    pack = cp.pack(random_cu_seqlens([30, 50, 7]), "ring")
+    q = torch.randn(87, 2, 8, requires_grad=True)
+    ringfa4.attention(q, q, q, cp=cp, packing=pack, causal=True).sum().backward()
+    reads = []
+    real_cpu, real_tolist = torch.Tensor.cpu, torch.Tensor.tolist
+
+    def note():
+        caller = sys._getframe(2).f_code.co_filename
+        if not caller.endswith("reference.py"):
+            reads.append(caller)
+
+    import ringfa4.parallel.varlen as varlen
+
+    built = []  # device-side cu_seqlens built (a host-to-device copy each)
+    real_mark = varlen.mark_valid
+    monkeypatch.setattr(varlen, "mark_valid", lambda cu, n: built.append(n) or real_mark(cu, n))
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: note() or real_cpu(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: note() or real_tolist(self))
+    ringfa4.attention(q, q, q, cp=cp, packing=pack, causal=True).sum().backward()
+    assert not reads, reads
+    assert not built, f"{len(built)} cu_seqlens rebuilt for a pack already used"

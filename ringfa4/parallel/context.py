@@ -237,8 +237,8 @@ class ContextParallel:
     def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None,
             allgather: bool = False) -> RingRun:
         if packing is not None:
-            kind = AllGatherSchedule if allgather else PackedRingSchedule
-            schedule = kind(packing, spec.causal, spec.window)
+            schedule = packing.schedule(AllGatherSchedule if allgather else PackedRingSchedule, spec.causal,
+                                        spec.window)
         else:
             seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
             schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)

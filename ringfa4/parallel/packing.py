@@ -74,9 +74,18 @@ class Packing:
         self.world_size = layout.world_size
         self.total = self.cu[-1]
         self.doc_lengths = tuple(b - a for a, b in zip(self.cu, self.cu[1:]))
+        self._schedules: dict = {}
 
     def __repr__(self) -> str:
         return f"Packing({len(self.doc_lengths)} docs, {self.total} tokens, {self.layout.name} over {self.world_size})"
+
+    def schedule(self, kind: type, causal: bool, window: tuple):
+        """One schedule object per (kind, mask) for the life of this packing, so its calls and their
+        device-side cu_seqlens are built once per batch, not once per layer."""
+        key = (kind, causal, tuple(window))
+        if key not in self._schedules:
+            self._schedules[key] = kind(self, causal, tuple(window))
+        return self._schedules[key]
 
     @functools.cache  # noqa: B019 (immutable after init)
     def segments(self, rank: int) -> tuple[Segment, ...]:
@@ -99,11 +108,16 @@ class Packing:
     def max_rows(self) -> int:
         return max(self.rows(r) for r in range(self.world_size))
 
-    def indices(self, rank: int, device=None) -> torch.Tensor:
+    @functools.cache  # noqa: B019 (one host build and copy per rank and device)
+    def _indices(self, rank: int, device) -> torch.Tensor:
         segs = self.segments(rank)
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segs])
+        return torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]).to(device)
+
+    def indices(self, rank: int, device=None) -> torch.Tensor:
+        """Global token indices (int64) of ``rank``'s local tokens, in local order."""
+        return self._indices(rank, torch.device(device) if device is not None else torch.device("cpu"))
 
     def positions(self, rank: int, device=None) -> torch.Tensor:
         """Positions inside each document (restarting at 0) of the local tokens (for RoPE)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import merge_lse_
+from ..kernels.validate import mark_valid
 from .blocks import band_block, global_band
 from .packing import Packing
 
@@ -45,9 +46,11 @@ class VarlenCall:
             cu_k.append(cu_k[-1] + k1 - k0)
         qi = None if self.q_contiguous else torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]).to(device)
         ki = None if self.k_contiguous else torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]).to(device)
-        as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
-        return as_t(cu_q), as_t(cu_k), max(b - a for a, b, _, _ in self.pairs), \
-            max(d - c for _, _, c, d in self.pairs), qi, ki
+        mq, mk = max(b - a for a, b, _, _ in self.pairs), max(d - c for _, _, c, d in self.pairs)
+        cq, ck = (torch.tensor(x, dtype=torch.int32).to(device) for x in (cu_q, cu_k))
+        mark_valid(cq, mq)  # built here: valid by construction, so block calls never sync to check
+        mark_valid(ck, mk)
+        return cq, ck, mq, mk, qi, ki
 
     def spec(self, base, device):
         cu_q, cu_k, mq, mk, _, _ = self._meta(device)
