@@ -11,13 +11,13 @@ TFLOP/s against ~300 GB/s the hop hides when l >= 2000 P h_kv / h. Below that: a
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from .blocks import band_block, global_band
+from .memo import cached_method
 from .packing import Packing
 from .varlen import VarlenCall
 
@@ -51,7 +51,7 @@ class AllGatherSchedule:
     def max_rows(self) -> int:
         return self.pack.max_rows
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019
+    @cached_method
     def global_rows(self, device: torch.device) -> torch.Tensor:
         """For each global token, its row in the rank-major gathered buffer (rank * cap + local)."""
         idx = torch.empty(self.pack.total, dtype=torch.long)
@@ -60,7 +60,7 @@ class AllGatherSchedule:
             idx[self.pack.indices(r)] = torch.arange(self.pack.rows(r)) + r * cap
         return idx.to(device)
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    @cached_method
     def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
         lo, hi = global_band(self.causal, self.window)
         groups: dict[tuple, list] = {}

@@ -13,12 +13,12 @@ local ranges, so one varlen call covers all documents.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from .layouts import Layout
+from .memo import cached_method
 
 __all__ = ["Packing", "cu_seqlens_from_position_ids"]
 
@@ -87,7 +87,7 @@ class Packing:
             self._schedules[key] = kind(self, causal, tuple(window))
         return self._schedules[key]
 
-    @functools.cache  # noqa: B019 (immutable after init)
+    @cached_method
     def segments(self, rank: int) -> tuple[Segment, ...]:
         """Local token runs of ``rank`` in local (part-major) order; empty chunks omitted."""
         chunks = self.layout.chunks(rank)
@@ -108,7 +108,7 @@ class Packing:
     def max_rows(self) -> int:
         return max(self.rows(r) for r in range(self.world_size))
 
-    @functools.cache  # noqa: B019 (one host build and copy per rank and device)
+    @cached_method
     def _indices(self, rank: int, device) -> torch.Tensor:
         segs = self.segments(rank)
         if not segs:

@@ -7,11 +7,11 @@ dK/dV of the K/V a rank holds travelling with it and arriving at its owner after
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from .blocks import Block, band_block, coalesce, global_band
 from .layouts import Layout
+from .memo import cached_method
 
 __all__ = ["RingSchedule"]
 
@@ -49,7 +49,7 @@ class RingSchedule:
             local += n
         return out
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019 (frozen, hashable, few instances)
+    @cached_method
     def blocks(self, rank: int, step: int) -> tuple[Block, ...]:
         """Calls of ``rank`` at ``step`` in local coordinates (empty: skip, K/V unused)."""
         src = self.source(rank, step, self.world_size)

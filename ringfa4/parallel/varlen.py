@@ -17,6 +17,7 @@ import torch
 from ..kernels import merge_lse_
 from ..kernels.validate import mark_valid
 from .blocks import band_block, global_band
+from .memo import cached_method
 from .packing import Packing
 
 __all__ = ["PackedRingSchedule", "VarlenCall"]
@@ -38,7 +39,7 @@ class VarlenCall:
     def k_contiguous(self) -> bool:
         return all(a[3] == b[2] for a, b in zip(self.pairs, self.pairs[1:]))
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 (frozen; per device)
+    @cached_method
     def _meta(self, device: torch.device):
         cu_q, cu_k = [0], [0]
         for q0, q1, k0, k1 in self.pairs:
@@ -130,7 +131,7 @@ class PackedRingSchedule:
     def max_rows(self) -> int:
         return self.pack.max_rows
 
-    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    @cached_method
     def blocks(self, rank: int, step: int) -> tuple[VarlenCall, ...]:
         src = self.source(rank, step, self.world_size)
         lo, hi = global_band(self.causal, self.window)
