@@ -21,6 +21,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from _common import cp_step, full_call
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -75,28 +76,12 @@ def weak_scaling(cp, be, P, s_local, h=32, d=128):
             for _ in range(2)]
     row = {"s_per_gpu": s_local, "S": S, "P": P}
 
-    def one_gpu(backward):
-        def run(q, k, v, do):
-            o, l = be.forward(q, k, v, spec)
-            if backward:
-                be.backward(do, q, k, v, o, l, spec)
-        return run
-
-    row["one_gpu_fwd_ms"] = _timed(one_gpu(False), full)
-    row["one_gpu_fwdbwd_ms"] = _timed(one_gpu(True), full)
+    row["one_gpu_fwd_ms"] = _timed(full_call(be, spec, False), full)
+    row["one_gpu_fwdbwd_ms"] = _timed(full_call(be, spec, True), full)
     local = [[cp.shard(t).contiguous() for t in s] for s in full]
 
-    def ring(backward):
-        def run(q, k, v, do):
-            if backward:
-                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            out = ringfa4.attention(q, k, v, cp=cp, causal=True)
-            if backward:
-                out.backward(do)
-        return run
-
-    row["ringfa4_fwd_ms"] = _timed(ring(False), local)
-    row["ringfa4_fwdbwd_ms"] = _timed(ring(True), local)
+    row["ringfa4_fwd_ms"] = _timed(cp_step(cp, False), local)
+    row["ringfa4_fwdbwd_ms"] = _timed(cp_step(cp, True), local)
     del local
     row.update(_torch_cp(full, P))
     for name in ("ringfa4", "torch_cp_cudnn"):

@@ -15,7 +15,7 @@ import json
 import os
 
 import torch
-from triton.testing import do_bench
+from _common import cp_step, full_call, median_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -25,16 +25,6 @@ def _inputs(S, h, d, n_sets):
     g = torch.Generator(device="cuda").manual_seed(0)
     return [[torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
             for _ in range(n_sets)]
-
-
-def _rotating(fn, sets):
-    state = {"i": 0}
-
-    def call():
-        s = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        fn(*s)
-    return call
 
 
 def _calls_alone(cp, spec, be, backward):
@@ -51,24 +41,6 @@ def _calls_alone(cp, spec, be, backward):
                     b.forward(be, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
                     if backward:
                         b.backward(be, dos[r], qs[r], ks[src], vs[src], o_s, l_s, ring.spec)
-    return run
-
-
-def _full(be, spec, backward):
-    def run(q, k, v, do):
-        o, l = be.forward(q, k, v, spec)
-        if backward:
-            be.backward(do, q, k, v, o, l, spec)
-    return run
-
-
-def _ring(cp, causal, backward):
-    def run(q, k, v, do):
-        if backward:
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        out = ringfa4.attention(q, k, v, cp=cp, causal=causal)
-        if backward:
-            out.backward(do)
     return run
 
 
@@ -98,14 +70,11 @@ def main() -> None:
         for causal in {"both": (True, False), "yes": (True,), "no": (False,)}[args.causal]:
             spec = AttnSpec(causal=causal)
             for backward in {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]:
-                t_full = do_bench(_rotating(_full(be, spec, backward), sets), warmup=10, rep=rep,
-                                  return_mode="median")
+                t_full = median_ms(full_call(be, spec, backward), sets, rep)
                 for P in (int(p) for p in args.worlds.split(",")):
                     cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
-                    t_ring = do_bench(_rotating(_ring(cp, causal, backward), sets), warmup=10, rep=rep,
-                                      return_mode="median")
-                    t_calls = do_bench(_rotating(_calls_alone(cp, spec, be, backward), sets), warmup=10, rep=rep,
-                                       return_mode="median")
+                    t_ring = median_ms(cp_step(cp, backward, causal=causal), sets, rep)
+                    t_calls = median_ms(_calls_alone(cp, spec, be, backward), sets, rep)
                     row = {"S": S, "P": P, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
                            "full_ms": t_full, "ring_ms_per_rank": t_ring / P, "calls_ms_per_rank": t_calls / P,
                            "efficiency": t_full / t_ring, "calls_efficiency": t_full / t_calls,

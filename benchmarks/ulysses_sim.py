@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from triton.testing import do_bench
+from _common import cp_step, full_call, median_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -48,38 +48,14 @@ def main() -> None:
     sets = [[torch.randn(1, S, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in (h, hk, hk, h)]
             for _ in range(2)]
     spec = AttnSpec(causal=True)
-    it = {"i": 0}
-
-    def rotating(fn):
-        def call():
-            fn(*sets[it["i"] % len(sets)])
-            it["i"] += 1
-        return call
-
-    def full(backward):
-        def run(q, k, v, do):
-            o, l = be.forward(q, k, v, spec)
-            if backward:
-                be.backward(do, q, k, v, o, l, spec)
-        return run
-
-    def cp_run(cp, backward):
-        def run(q, k, v, do):
-            if backward:
-                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            out = ringfa4.attention(q, k, v, cp=cp, causal=True)
-            if backward:
-                out.backward(do)
-        return run
-
     rows = []
-    t_full = {b: do_bench(rotating(full(b)), warmup=10, rep=200, return_mode="median") for b in (False, True)}
+    t_full = {b: median_ms(full_call(be, spec, b), sets, 200) for b in (False, True)}
     for item in args.configs.split(","):
         P, U = (int(x) for x in item.split("x"))
         cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U)
         fwd_mb, bwd_mb = a2a_mb_per_rank(S, P, U, h, hk, d)
         for backward in (False, True):
-            t = do_bench(rotating(cp_run(cp, backward)), warmup=10, rep=200, return_mode="median")
+            t = median_ms(cp_step(cp, backward), sets, 200)
             rows.append({"S": S, "P": P, "U": U, "R": P // U, "pass": "fwd+bwd" if backward else "fwd",
                          "full_ms": t_full[backward], "ms_per_rank": t / P, "efficiency": t_full[backward] / t,
                          "a2a_MB_per_rank": fwd_mb + (bwd_mb if backward else 0.0)})

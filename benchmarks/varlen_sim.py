@@ -16,7 +16,7 @@ import os
 import random
 
 import torch
-from triton.testing import do_bench
+from _common import cp_step, full_call, median_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -44,38 +44,14 @@ def main() -> None:
             for _ in range(2)]
     spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                     max_seqlen_k=max(lengths))
-    it = {"i": 0}
-
-    def rotating(fn):
-        def call():
-            fn(*sets[it["i"] % 2])
-            it["i"] += 1
-        return call
-
-    def full(backward):
-        def run(q, k, v, do):
-            o, l = be.forward(q, k, v, spec)
-            if backward:
-                be.backward(do, q, k, v, o, l, spec)
-        return run
-
-    def cp_run(cp, pack, backward):
-        def run(q, k, v, do):
-            if backward:
-                q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            out = ringfa4.attention(q, k, v, cp=cp, packing=pack, causal=True)
-            if backward:
-                out.backward(do)
-        return run
-
     rows = []
-    t_full = {b: do_bench(rotating(full(b)), warmup=10, rep=200, return_mode="median") for b in (False, True)}
+    t_full = {b: median_ms(full_call(be, spec, b), sets, 200) for b in (False, True)}
     for P in (int(p) for p in args.worlds.split(",")):
         cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
         for mode in ("ring", "allgather"):
             pack = cp.pack(cu, mode)
             for backward in (False, True):
-                t = do_bench(rotating(cp_run(cp, pack, backward)), warmup=10, rep=200, return_mode="median")
+                t = median_ms(cp_step(cp, backward, pack), sets, 200)
                 rows.append({"P": P, "mode": mode, "pass": "fwd+bwd" if backward else "fwd",
                              "full_ms": t_full[backward], "ms_per_rank": t / P, "efficiency": t_full[backward] / t})
                 print(json.dumps(rows[-1]), flush=True)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from dist_pool import Pool
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +10,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(world)``: a spawned gloo group of that size, shared by every test of the session."""
+    made: dict[int, Pool] = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = Pool(world)
+        return made[world]
+
+    yield get
+    for p in made.values():
+        p.close()

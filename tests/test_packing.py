@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from dist_pool import Pool
 from helpers import random_cu_seqlens, reference_grads, rel_err
 
 import ringfa4
@@ -149,18 +148,6 @@ def test_packed_validation_simulated():
 
 
 # -- gloo -------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, Pool] = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = Pool(world)
-        return made[world]
-
-    yield get
-    for p in made.values():
-        p.close()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -91,18 +91,6 @@ def test_simulated_validation_errors():
 
 
 # -- gloo ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, Pool] = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = Pool(world)
-        return made[world]
-
-    yield get
-    for p in made.values():
-        p.close()
 
 
 GLOO_CASES = [

@@ -19,7 +19,7 @@ import torch
 from .blocks import band_block, global_band
 from .memo import cached_method
 from .packing import Packing
-from .varlen import VarlenCall
+from .varlen import PackSchedule, VarlenCall
 
 __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
 
@@ -33,23 +33,8 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
 
 
 @dataclass(frozen=True, eq=False)
-class AllGatherSchedule:
+class AllGatherSchedule(PackSchedule):
     """Blocks of ``rank``'s q against whole documents of the gathered K/V (global packed order)."""
-
-    pack: Packing
-    causal: bool
-    window: tuple[int | None, int | None] = (None, None)
-
-    @property
-    def world_size(self) -> int:
-        return self.pack.world_size
-
-    def rows(self, rank: int) -> int:
-        return self.pack.rows(rank)
-
-    @property
-    def max_rows(self) -> int:
-        return self.pack.max_rows
 
     @cached_method
     def global_rows(self, device: torch.device) -> torch.Tensor:

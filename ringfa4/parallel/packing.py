@@ -48,6 +48,15 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor(starts + [pos.numel()], dtype=torch.int32)
 
 
+def _unshard(placement, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    shape = list(parts[0].shape)
+    shape[dim] = placement.total
+    out = parts[0].new_empty(shape)
+    for rank, part in enumerate(parts):
+        out.index_copy_(dim, placement.indices(rank, part.device), part.narrow(dim, 0, placement.rows(rank)))
+    return out
+
+
 @dataclass(frozen=True)
 class Segment:
     """A run of a rank's local tokens: ``local`` start, ``doc`` index, ``pos`` (first token's
@@ -140,12 +149,8 @@ class Packing:
         return x.index_select(dim, self.indices(rank, x.device))
 
     def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-        shape = list(parts[0].shape)
-        shape[dim] = self.total
-        out = parts[0].new_empty(shape)
-        for rank, part in enumerate(parts):
-            out.index_copy_(dim, self.indices(rank, part.device), part.narrow(dim, 0, self.rows(rank)))
-        return out
+        """Inverse of :meth:`shard` given every rank's part (parts may be padded past their rows)."""
+        return _unshard(self, parts, dim)
 
     def work(self, rank: int, causal: bool = True) -> int:
         """(query, key) pairs of attention ``rank`` computes (load balance)."""
@@ -196,9 +201,5 @@ class HybridPacking:
         return x.index_select(dim, self.indices(rank, x.device))
 
     def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-        shape = list(parts[0].shape)
-        shape[dim] = self.total
-        out = parts[0].new_empty(shape)
-        for rank, part in enumerate(parts):
-            out.index_copy_(dim, self.indices(rank, part.device), part.narrow(dim, 0, self.rows(rank)))
-        return out
+        """Inverse of :meth:`shard` given every rank's part (parts may be padded past their rows)."""
+        return _unshard(self, parts, dim)

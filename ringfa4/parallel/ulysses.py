@@ -109,26 +109,18 @@ def _exchange(tensors, group, U, timeout, on_fail, to_heads: bool):
     return out
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """``exchange(tensors, *args, to_heads=...)`` forward; the inverse exchange backward."""
+
     @staticmethod
-    def forward(ctx, comm, *tensors):
-        ctx.comm = comm
-        return tuple(_exchange(tensors, *comm, to_heads=True))
+    def forward(ctx, exchange, args, to_heads, *tensors):
+        ctx.exchange, ctx.args, ctx.to_heads = exchange, args, to_heads
+        return tuple(exchange(tensors, *args, to_heads=to_heads))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_exchange([g.contiguous() for g in grads], *ctx.comm, to_heads=False))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm, x):
-        ctx.comm = comm
-        return _exchange([x], *comm, to_heads=False)[0]
-
-    @staticmethod
-    def backward(ctx, g):
-        return None, _exchange([g.contiguous()], *ctx.comm, to_heads=True)[0]
+        back = ctx.exchange([g.contiguous() for g in grads], *ctx.args, to_heads=not ctx.to_heads)
+        return (None, None, None, *back)
 
 
 # -- packed (t, H, d) tensors: the U pieces of a group may differ in length ------------------------
@@ -176,35 +168,13 @@ def _exchange_packed(tensors, group, U, timeout, on_fail, pieces: list[int], me:
     return results
 
 
-class _SeqToHeadsPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm, *tensors):
-        ctx.comm = comm
-        return tuple(_exchange_packed(tensors, *comm, to_heads=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *_exchange_packed([g.contiguous() for g in grads], *ctx.comm, to_heads=False))
-
-
-class _HeadsToSeqPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm, x):
-        ctx.comm = comm
-        return _exchange_packed([x], *comm, to_heads=False)[0]
-
-    @staticmethod
-    def backward(ctx, g):
-        return None, _exchange_packed([g.contiguous()], *ctx.comm, to_heads=True)[0]
-
-
 def seq_to_heads_packed(tensors, group, degree, timeout, on_fail, pieces: list[int], me: int):
     """Packed ``(n_me, H, d)`` each -> ``(sum(pieces), H/U, d)`` (uneven pieces allowed)."""
-    return _SeqToHeadsPacked.apply((group, degree, timeout, on_fail, pieces, me), *tensors)
+    return _AllToAll.apply(_exchange_packed, (group, degree, timeout, on_fail, pieces, me), True, *tensors)
 
 
 def heads_to_seq_packed(x, group, degree, timeout, on_fail, pieces: list[int], me: int):
-    return _HeadsToSeqPacked.apply((group, degree, timeout, on_fail, pieces, me), x)
+    return _AllToAll.apply(_exchange_packed, (group, degree, timeout, on_fail, pieces, me), False, x)[0]
 
 
 def lse_heads_to_seq_packed(lse, group, degree, timeout, on_fail, pieces: list[int], me: int):
@@ -215,12 +185,12 @@ def lse_heads_to_seq_packed(lse, group, degree, timeout, on_fail, pieces: list[i
 
 def seq_to_heads(tensors, group, degree: int, timeout: datetime.timedelta, on_fail):
     """``(b, s/U, H, d)`` each -> ``(b, s, H/U, d)``: one all-to-all for all of them (same dtype)."""
-    return _SeqToHeads.apply((group, degree, timeout, on_fail), *tensors)
+    return _AllToAll.apply(_exchange, (group, degree, timeout, on_fail), True, *tensors)
 
 
 def heads_to_seq(x: torch.Tensor, group, degree: int, timeout: datetime.timedelta, on_fail) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads` for one tensor (the output), differentiable."""
-    return _HeadsToSeq.apply((group, degree, timeout, on_fail), x)
+    return _AllToAll.apply(_exchange, (group, degree, timeout, on_fail), False, x)[0]
 
 
 def lse_heads_to_seq(lse: torch.Tensor, group, degree: int, timeout: datetime.timedelta, on_fail) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .blocks import band_block, global_band
 from .memo import cached_method
 from .packing import Packing
 
-__all__ = ["PackedRingSchedule", "VarlenCall"]
+__all__ = ["PackSchedule", "PackedRingSchedule", "VarlenCall"]
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ class VarlenCall:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedRingSchedule:
-    """The ring schedule over a :class:`Packing` (same interface as ``RingSchedule``)."""
+class PackSchedule:
+    """What every schedule over a :class:`Packing` shares: the pack, the mask, row counts."""
 
     pack: Packing
     causal: bool
@@ -118,18 +118,23 @@ class PackedRingSchedule:
     def world_size(self) -> int:
         return self.pack.world_size
 
-    @property
-    def num_steps(self) -> int:
-        return self.pack.world_size
-
-    source = staticmethod(lambda rank, step, world_size: (rank - step) % world_size)
-
     def rows(self, rank: int) -> int:
         return self.pack.rows(rank)
 
     @property
     def max_rows(self) -> int:
         return self.pack.max_rows
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRingSchedule(PackSchedule):
+    """The ring schedule over a :class:`Packing` (same interface as ``RingSchedule``)."""
+
+    @property
+    def num_steps(self) -> int:
+        return self.pack.world_size
+
+    source = staticmethod(lambda rank, step, world_size: (rank - step) % world_size)
 
     @cached_method
     def blocks(self, rank: int, step: int) -> tuple[VarlenCall, ...]:

@@ -1,0 +1,50 @@
+"""The benchmark scripts' step functions run (CPU, reference backend, tiny shapes), so a GPU call is
+not the first place they are executed; and the all-to-all volume formula."""
+
+import os
+import sys
+
+import torch
+
+import ringfa4
+from ringfa4.kernels import AttnSpec, get_backend
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+from _common import cp_step, full_call, rotating  # noqa: E402
+
+
+def _sets(S=32, h=4, hk=2, d=8):
+    return [[torch.randn(1, S, n, d) for n in (h, hk, hk, h)] for _ in range(2)]
+
+
+def test_common_steps_run_and_rotate():
+    sets = _sets()
+    be = get_backend("reference")
+    for backward in (False, True):
+        call = rotating(full_call(be, AttnSpec(causal=True), backward), sets)
+        call()
+        call()
+        cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+        rotating(cp_step(cp, backward), sets)()
+        packed = [[t[0] for t in s] for s in sets]
+        pack = cp.pack(torch.tensor([0, 10, 32], dtype=torch.int32))
+        rotating(cp_step(cp, backward, pack), packed)()
+
+
+def test_ring_sim_calls_alone_runs():
+    import ring_sim
+
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+    be = get_backend("reference")
+    for backward in (False, True):
+        ring_sim._calls_alone(cp, AttnSpec(causal=True), be, backward)(*_sets()[0])
+
+
+def test_ulysses_a2a_volume():
+    import ulysses_sim
+
+    fwd, bwd = ulysses_sim.a2a_mb_per_rank(65536, 8, 8, 32, 8, 128)
+    # q + k + v + out of 8k tokens: (32 + 8 + 8 + 32) heads x 128 x 2 bytes x 7/8
+    assert abs(fwd - 8192 * 80 * 128 * 2 * 7 / 8 / 1e6) < 1e-9 and fwd == bwd
+    assert ulysses_sim.a2a_mb_per_rank(65536, 8, 1, 32, 8, 128) == (0.0, 0.0)
