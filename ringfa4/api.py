@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .kernels import AttnSpec, get_backend
+from .kernels.autograd import block_attention
+from .kernels.validate import validate_block
 from .parallel import ContextParallel
 
 __all__ = ["attention"]
@@ -42,24 +44,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
 
 def _single(q, k, v, spec, backend_name):
     """One differentiable backend call."""
-    be = get_backend(backend_name, q.device, q.dtype)
-    from .kernels.validate import validate_block
-
     validate_block(q, k, v, spec)
-    return _BlockAttention.apply(q, k, v, be, spec)
-
-
-class _BlockAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, backend, spec):
-        out, lse = backend.forward(q, k, v, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backend, ctx.spec = backend, spec
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.backward(dout.contiguous(), q, k, v, out, lse, ctx.spec)
-        return dq, dk, dv, None, None
+    return block_attention(q, k, v, get_backend(backend_name, q.device, q.dtype), spec)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import AttnSpec, get_backend
+from ..kernels.autograd import block_attention
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
@@ -228,10 +229,8 @@ class ContextParallel:
         return heads_to_seq(out, *comm), lse_heads_to_seq(lse, *comm)
 
     def _ring_attention(self, q, k, v, spec):
-        if self.world_size == 1:
-            from ..api import _BlockAttention  # one backend call
-
-            return _BlockAttention.apply(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
+        if self.world_size == 1:  # one backend call
+            return block_attention(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
         return _RingAttention.apply(q, k, v, self, spec)
 
     def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None,
