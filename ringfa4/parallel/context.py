@@ -28,7 +28,7 @@ from .executor import RingRun, ring_backward, ring_forward
 from .layouts import HybridLayout, Layout, make_layout
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import CPPlan, detect_nvlink_domain, plan_cp
-from .ring import RingSchedule
+from .ring import ring_schedule
 from .transport import LoopbackTransport, P2PTransport
 from .ulysses import (
     HeadSplit,
@@ -240,7 +240,7 @@ class ContextParallel:
                                         spec.window)
         else:
             seq_len = q.shape[1] * (1 if self.is_simulated else self.world_size)
-            schedule = RingSchedule(self.layout, seq_len, spec.causal, spec.window)
+            schedule = ring_schedule(self.layout, seq_len, spec.causal, spec.window)
         ranks = tuple(range(self.world_size)) if self.is_simulated else (self.rank,)
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))

@@ -39,9 +39,19 @@ class RingRun:
 
     @property
     def active_steps(self) -> int:
-        s = self.schedule
+        """Steps up to the last one any rank has work in (later K/V is never needed)."""
+        return active_steps(self.schedule)
+
+
+def active_steps(schedule) -> int:
+    """Computed once per schedule object (kept on it, so it dies with it)."""
+    known = schedule.__dict__.get("_active_steps")
+    if known is None:
+        s = schedule
         last = [t for t in range(s.num_steps) for r in range(s.world_size) if s.blocks(r, t)]
-        return max(last) + 1 if last else 1
+        known = max(last) + 1 if last else 1
+        object.__setattr__(schedule, "_active_steps", known)
+    return known
 
 
 

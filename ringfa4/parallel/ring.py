@@ -7,13 +7,14 @@ dK/dV of the K/V a rank holds travelling with it and arriving at its owner after
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .blocks import Block, band_block, coalesce, global_band
 from .layouts import Layout
 from .memo import cached_method
 
-__all__ = ["RingSchedule"]
+__all__ = ["RingSchedule", "ring_schedule"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,9 @@ class RingSchedule:
     def work(self, rank: int) -> int:
         """(query, key) pairs ``rank`` computes over all steps (load-balance checks)."""
         return sum(b.work for t in range(self.num_steps) for b in self.blocks(rank, t))
+
+
+@functools.lru_cache(maxsize=64)
+def ring_schedule(layout: Layout, seq_len: int, causal: bool, window: tuple) -> RingSchedule:
+    """The shared schedule for these arguments: every layer of a step reuses its computed blocks."""
+    return RingSchedule(layout, seq_len, causal, tuple(window))
