@@ -16,7 +16,7 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PY) -m pip install -q $(TORCH) -e ".[dev,gpu]"
+	$(PY) -m pip install -q $(TORCH) -e ".[dev,gpu,hf]"
 	touch $@
 
 demo: $(VENV)/.base

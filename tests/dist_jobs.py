@@ -155,3 +155,58 @@ def packed_bad(kind):
     q = torch.randn(rows, 2, 8)
     ringfa4.attention(q, q, q, cp=cp, packing=pack, causal=True)
     return "no error"
+
+
+def hf_case(kind, lengths, S, ulysses):
+    """A tiny HF model with ringfa4 attention on this rank's shard; loss and all-reduced (summed)
+    gradients against the single-process eager model on the full batch."""
+    import copy
+
+    import hf_models
+
+    import ringfa4.hf as rhf
+
+    rhf.register()
+    ref = hf_models.make_model(kind)
+    batch = hf_models.batch_for(lengths, S)
+    ref_loss, ref_grads = hf_models.reference_loss_and_grads(ref, batch["input_ids"], lengths)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("ringfa4")
+    model.zero_grad()
+    cp = ringfa4.ContextParallel(backend="reference", ulysses=ulysses)
+    shard = rhf.shard_batch(batch, cp)
+    out = model(**shard.model_inputs())
+    loss, logged = rhf.causal_lm_loss(out.logits, shard)
+    loss.backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        r = ref_grads[name]
+        if r.norm() > 0:
+            worst = max(worst, ((g - r).norm() / r.norm()).item())
+    return {"logged": logged.item(), "ref": ref_loss.item(), "grad_rel": worst}
+
+
+def hf_bad(kind):
+    import hf_models
+
+    import ringfa4.hf as rhf
+
+    cp = ringfa4.ContextParallel(backend="reference")
+    if kind == "not_divisible":
+        rhf.shard_batch({"input_ids": torch.zeros(1, 30, dtype=torch.long)}, cp)
+    if kind == "packed_batch_of_two":
+        rhf.shard_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long),
+                         "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)}, cp)
+    if kind == "dropout":
+        rhf.register()
+        model = hf_models.make_model("llama")
+        model.config.attention_dropout = 0.1
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.1
+        model.set_attn_implementation("ringfa4")
+        model.train()
+        shard = rhf.shard_batch({"input_ids": torch.zeros(1, 16, dtype=torch.long)}, cp)
+        model(**shard.model_inputs())
+    return "no error"
