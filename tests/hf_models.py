@@ -11,10 +11,16 @@ def make_model(kind: str, seed: int = 0):
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -29,6 +35,14 @@ def make_model(kind: str, seed: int = 0):
         model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=16, attn_logit_softcapping=30.0,
                                                final_logit_softcapping=None, sliding_window=6,
                                                query_pre_attn_scalar=16))
+    elif kind == "mistral":  # sliding window on every layer
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=9))
+    elif kind == "qwen3":  # q/k norms, layer 0 slides
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, use_sliding_window=True, sliding_window=5,
+                                             layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "gemma3":  # local (sliding) and global layers with their own RoPE
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+                                                   layer_types=["sliding_attention", "full_attention"]))
     else:
         raise ValueError(kind)
     return model.float()

@@ -1,7 +1,7 @@
 """transformers integration: the "ringfa4" attention implementation, CP batch sharding, CP-correct
 loss. Imports transformers only when :func:`register` is called."""
 
-from .attention import NAME, CPMeta, register
+from .attention import NAME, CPMeta, auto_cp, register
 from .batch import CPBatch, causal_lm_loss, shard_batch
 
-__all__ = ["NAME", "CPBatch", "CPMeta", "causal_lm_loss", "register", "shard_batch"]
+__all__ = ["NAME", "CPBatch", "CPMeta", "auto_cp", "causal_lm_loss", "register", "shard_batch"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..api import attention
 from ..parallel import ContextParallel
 
-__all__ = ["CPMeta", "NAME", "register"]
+__all__ = ["CPMeta", "NAME", "auto_cp", "register"]
 
 NAME = "ringfa4"
 
@@ -80,3 +80,13 @@ def register(cp: ContextParallel | None = None, name: str = NAME) -> str:
 
     AttentionInterface.register(name, _attention_fn(cp))
     return name
+
+
+def auto_cp(config, group=None, nvlink_domain_size: int | None = None, backend="auto",
+            layout: str = "zigzag") -> ContextParallel:
+    """``ContextParallel.auto`` for a transformers model config: the planner sees the model's q and
+    K/V head counts, so its Ulysses degree divides the heads (K/V replicated when fewer)."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return ContextParallel.auto(group, num_heads=heads, num_kv_heads=kv, nvlink_domain_size=nvlink_domain_size,
+                                backend=backend, layout=layout)
