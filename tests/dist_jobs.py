@@ -244,3 +244,29 @@ def smollm2_case(n_tokens):
     err = ((full - ref_logits).norm() / ref_logits.norm()).item()
     return {"tokens": ids.shape[1], "logits_rel": err, "loss": logged.item(), "ref_loss": ref_loss,
             "plan": cp.describe()}
+
+
+def recipe_run(overrides, export_check=False):
+    """recipes/finetune.py's run() on this gloo group; per-step metrics (and an export round trip)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes"))
+    import finetune
+
+    cfg = finetune.load_config(None, ["log.progress=false", 'parallel.backend="reference"'] + list(overrides))
+    metrics = finetune.run(cfg)
+    out = {"metrics": metrics}
+    if export_check and dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        path = cfg["checkpoint"]["export"]
+        reloaded = AutoModelForCausalLM.from_pretrained(path)
+        fresh, _ = finetune.build_model(cfg)
+        fresh.load_state_dict(torch.load(os.path.join(path, "full_state.pt")))
+        ids = torch.randint(0, 256, (1, 40))
+        with torch.no_grad():
+            a = reloaded(input_ids=ids).logits
+            b = fresh(input_ids=ids).logits
+        out["export_diff"] = (a - b).abs().max().item()
+    return out

