@@ -353,6 +353,16 @@ class _Logger:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.on and getattr(self, "step0", None) is not None and metrics:
+            cp_loss, ref = self.step0
+            rel = abs(cp_loss - ref) / abs(ref)
+            first, last = metrics[0]["loss"], metrics[-1]["loss"]
+            ok = rel <= 1e-4 and last < first
+            print(f"{'OK' if ok else 'FAILED'}: step-0 loss {cp_loss:.6f} vs CP=1 transformers {ref:.6f} "
+                  f"(rel {rel:.1e} {'<=' if rel <= 1e-4 else '>'} 1e-4); loss {first:.4f} -> {last:.4f} "
+                  f"({'down' if last < first else 'NOT down'}) over {len(metrics)} steps", flush=True)
+            if not ok:
+                raise SystemExit(1)
 
 
 def dry_run(cfg: dict) -> str:
