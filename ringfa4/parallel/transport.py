@@ -139,7 +139,7 @@ class P2PTransport(Transport):
                     raise self.on_timeout(handle.event, exc) from exc
                 raise
 
-    def _blocking(self, work, what: str) -> None:
+    def _blocking(self, work) -> None:
         try:
             work.wait(self.timeout)
         except Exception as exc:
@@ -151,7 +151,7 @@ class P2PTransport(Transport):
         (b,) = bufs
         out = b.new_empty(self.world_size * b.numel())
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._blocking(gather(out, b, group=self.group, async_op=True), "all-gather")
+        self._blocking(gather(out, b, group=self.group, async_op=True))
         return [out]
 
     def reduce_scatter(self, fulls):
@@ -159,8 +159,8 @@ class P2PTransport(Transport):
         n = f.numel() // self.world_size
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our slice
             total = f.clone()
-            self._blocking(dist.all_reduce(total, group=self.group, async_op=True), "all-reduce")
+            self._blocking(dist.all_reduce(total, group=self.group, async_op=True))
             return [total[self.rank * n:(self.rank + 1) * n]]
         out = f.new_empty(n)
-        self._blocking(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True), "reduce-scatter")
+        self._blocking(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True))
         return [out]
