@@ -40,7 +40,9 @@ DEFAULTS = {
     "parallel": {"dp": 1, "cp": 1, "ulysses": 1, "layout": "zigzag", "backend": "auto", "fsdp": True},
     "train": {"seq_len": 256, "steps": 5, "lr": 1e-3, "warmup_steps": 1, "min_lr_ratio": 0.1, "grad_accum": 1,
               "clip": 1.0, "weight_decay": 0.0, "seed": 0, "activation_checkpointing": False,
-              "stop_after": 0},  # stop_after: end the run after this step count (0: at train.steps)
+              "stop_after": 0,  # end the run after this step count (0: at train.steps)
+              "compile": False,  # torch.compile each decoder layer: true (inductor) or a backend name
+              "lora_r": 0, "lora_alpha": 32, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
     "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
     "checkpoint": {"dir": "", "every": 0, "export": ""},
     "log": {"wandb": "disabled", "project": "ringfa4", "peak_tflops": 989.0, "progress": True,
@@ -139,8 +141,18 @@ def build_model(cfg: dict):
 
 
 def _decoder_layers(model):
-    inner = getattr(model, "model", model)
-    return list(getattr(inner, "layers", []))
+    """The transformer blocks (FSDP and compile units), found by class name under any wrapper."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def _lora(model, cfg):
+    """peft LoRA on the attention projections (peft imported only when asked)."""
+    from peft import LoraConfig, get_peft_model
+
+    t = cfg["train"]
+    conf = LoraConfig(r=t["lora_r"], lora_alpha=t["lora_alpha"], target_modules=list(t["lora_targets"]),
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, conf)
 
 
 def _lr_lambda(cfg):
@@ -222,6 +234,12 @@ def run(cfg: dict) -> list[dict]:
     model.set_attn_implementation(rhf.NAME)
     if t["activation_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t["lora_r"]:
+        model = _lora(model, cfg)
+    if t["compile"]:  # ringfa4's attention runs eagerly inside (torch.compiler.disable)
+        backend = "inductor" if t["compile"] is True else t["compile"]
+        for layer in _decoder_layers(model):
+            layer.compile(backend=backend)
     if p["fsdp"]:
         from torch.distributed.fsdp import fully_shard
 
@@ -232,7 +250,8 @@ def run(cfg: dict) -> list[dict]:
         for unit in units:  # per FSDP unit (each has its own state): the loss is already normalized
             unit.set_gradient_divide_factor(1.0)  # by the global target count, so gradients SUM
             unit.set_force_sum_reduction_for_comms(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], weight_decay=t["weight_decay"])
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=t["lr"],
+                            weight_decay=t["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
     d = cfg["data"]
     make_doc = (jsonl_documents(d["path"], encode) if d["kind"] == "jsonl" else
@@ -265,7 +284,7 @@ def run(cfg: dict) -> list[dict]:
             for prm in model.parameters():
                 if prm.grad is not None:
                     dist.all_reduce(prm.grad)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["clip"])
+        gnorm = torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], t["clip"])
         gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
         opt.step()
         sched.step()
@@ -280,19 +299,27 @@ def run(cfg: dict) -> list[dict]:
             save_checkpoint(os.path.join(cfg["checkpoint"]["dir"], f"step_{step + 1}"), model, opt, sched, stream,
                             step + 1)
     if cfg["checkpoint"]["export"]:
-        export(model, cfg["checkpoint"]["export"], rank)
+        export(model, cfg["checkpoint"]["export"], rank, cfg)
     log.close(metrics)
     return metrics
 
 
-def export(model, path: str, rank: int) -> None:
-    """save_pretrained of the full (unsharded) model on rank 0."""
+def export(model, path: str, rank: int, cfg: dict) -> None:
+    """save_pretrained of the full (unsharded) model on rank 0; LoRA adapters merged into it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        model.save_pretrained(path, state_dict=dict(full))  # (save_pretrained empties the dict it gets)
-        torch.save(full, os.path.join(path, "full_state.pt"))  # the trained weights, for checks
+        plain, _ = build_model(cfg)
+        if cfg["train"]["lora_r"]:
+            peft_model = _lora(plain, cfg)
+            peft_model.load_state_dict(full)
+            plain = peft_model.merge_and_unload()
+        else:
+            plain.load_state_dict(full)
+        merged = {k: v.clone() for k, v in plain.state_dict().items()}
+        plain.save_pretrained(path, state_dict=dict(merged))  # (save_pretrained empties the dict it gets)
+        torch.save(merged, os.path.join(path, "full_state.pt"))  # the exported weights, for checks
     dist.barrier()
 
 

@@ -264,6 +264,8 @@ def recipe_run(overrides, export_check=False):
         reloaded = AutoModelForCausalLM.from_pretrained(path)
         fresh, _ = finetune.build_model(cfg)
         fresh.load_state_dict(torch.load(os.path.join(path, "full_state.pt")))
+        out["lora_changed"] = any(not torch.equal(a, b) for a, b in zip(
+            fresh.state_dict().values(), finetune.build_model(cfg)[0].state_dict().values()))
         ids = torch.randint(0, 256, (1, 40))
         with torch.no_grad():
             a = reloaded(input_ids=ids).logits

@@ -108,7 +108,7 @@ def test_auto_cp_respects_head_counts():
 
     from ringfa4.parallel import plan_cp
 
-    cfg = LlamaConfig(num_attention_heads=9, num_key_value_heads=3)
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     assert plan_cp(8, cfg.num_attention_heads, cfg.num_key_value_heads, 8).ulysses == 1
     cfg = LlamaConfig(num_attention_heads=32, num_key_value_heads=2)
     plan = plan_cp(8, cfg.num_attention_heads, cfg.num_key_value_heads, 8)

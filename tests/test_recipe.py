@@ -85,3 +85,21 @@ def test_dry_run_every_config(path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "mesh: dp=" in r.stdout and "CP plan" in r.stdout and "memory estimate" in r.stdout
+
+
+def test_lora_is_cp_invariant_and_exports_merged(pools, single, tmp_path):
+    lora = STEPS + ["train.lora_r=4", "train.lr=1e-2"]
+    base = _losses(single.run("recipe_run", lora + ["parallel.cp=1"], timeout=240))
+    got = pools(2).run("recipe_run", lora + ["parallel.cp=2", f'checkpoint.export="{tmp_path / "lora"}"'], True)
+    for (l0, g0), (l1, g1) in zip(base, _losses(got)):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (base, got)
+    assert base[-1][0] < base[0][0]  # the adapters learn
+    assert got[0][1]["export_diff"] == 0.0 and got[0][1]["lora_changed"]  # merged weights differ from base
+
+
+def test_compiled_layers_match_eager(pools):
+    eager = _losses(pools(2).run("recipe_run", STEPS + ["parallel.cp=2"], timeout=240))
+    compiled = _losses(pools(2).run("recipe_run", STEPS + ["parallel.cp=2", 'train.compile="aot_eager"'],
+                                    timeout=400))
+    for (l0, g0), (l1, g1) in zip(eager, compiled):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (eager, compiled)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..api import attention
 from ..parallel import ContextParallel
 
@@ -38,6 +40,7 @@ def _model_name(module) -> str:
 
 
 def _attention_fn(default_cp: ContextParallel | None):
+    @torch.compiler.disable  # collectives and Python schedules: eager inside compiled layers
     def ringfa4_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           sliding_window=None, softcap=None, **kwargs):
         meta: CPMeta | None = kwargs.get(NAME)
