@@ -59,10 +59,14 @@ class PackedStream:
         return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos])}
 
 
-def jsonl_documents(path: str, encode, field: str = "text"):
-    """``make_doc`` over a jsonl file (one document a line, text in ``field``), cycling."""
+def jsonl_documents(path: str, encode, field: str = "text", text: bool = False):
+    """``make_doc`` over a jsonl file (one document a line, text in ``field``) or, with ``text``, a
+    plain text file (documents separated by blank lines), cycling."""
     with open(path) as f:
-        docs = [encode(json.loads(line)[field]) for line in f if line.strip()]
+        if text:
+            docs = [encode(doc.strip()) for doc in f.read().split("\n\n") if doc.strip()]
+        else:
+            docs = [encode(json.loads(line)[field]) for line in f if line.strip()]
     if not docs:
         raise ValueError(f"{path} holds no documents")
     return lambda i: docs[i % len(docs)]

@@ -45,7 +45,7 @@ DEFAULTS = {
               "lora_r": 0, "lora_alpha": 32, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
     "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
     "checkpoint": {"dir": "", "every": 0, "export": ""},
-    "log": {"wandb": "disabled", "project": "ringfa4", "peak_tflops": 989.0, "progress": True,
+    "log": {"wandb": "offline", "project": "ringfa4", "peak_tflops": 989.0, "progress": True,
             "check_step0": False},
 }
 
@@ -254,8 +254,12 @@ def run(cfg: dict) -> list[dict]:
                             weight_decay=t["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
     d = cfg["data"]
-    make_doc = (jsonl_documents(d["path"], encode) if d["kind"] == "jsonl" else
-                (lambda i: passkey_document(i, t["seed"], d["doc_tokens"], encode)))
+    if d["kind"] in ("jsonl", "text"):
+        make_doc = jsonl_documents(d["path"], encode, text=d["kind"] == "text")
+    elif d["kind"] == "passkey":
+        make_doc = lambda i: passkey_document(i, t["seed"], d["doc_tokens"], encode)  # noqa: E731
+    else:
+        raise ValueError(f"data.kind must be 'passkey', 'jsonl' or 'text', got {d['kind']!r}")
     stream = PackedStream(make_doc, t["seq_len"], mesh["dp"].get_local_rank(), p["dp"])
     start = 0
     resume = _latest(cfg["checkpoint"]["dir"])
@@ -361,12 +365,14 @@ class _Logger:
     def step(self, row):
         if not self.on:
             return
-        mfu = row["tokens_per_s_per_device"] * self.flops / (self.cfg["log"]["peak_tflops"] * 1e12)
+        row["tflops_per_device"] = row["tokens_per_s_per_device"] * self.flops / 1e12
+        mfu = row["tflops_per_device"] / self.cfg["log"]["peak_tflops"]
         row["mfu"] = mfu
         if torch.cuda.is_available():
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         line = (f"step {row['step']}: loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
-                f"tok/s/dev {row['tokens_per_s_per_device']:.0f}  MFU {100 * mfu:.2f}%")
+                f"tok/s/dev {row['tokens_per_s_per_device']:.0f}  TFLOP/s/dev {row['tflops_per_device']:.3f}  "
+                f"MFU {100 * mfu:.2f}%")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.write(line)

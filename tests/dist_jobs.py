@@ -254,7 +254,8 @@ def recipe_run(overrides, export_check=False):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes"))
     import finetune
 
-    cfg = finetune.load_config(None, ["log.progress=false", 'parallel.backend="reference"'] + list(overrides))
+    cfg = finetune.load_config(None, ["log.progress=false", 'log.wandb="disabled"', 'parallel.backend="reference"']
+                               + list(overrides))
     metrics = finetune.run(cfg)
     out = {"metrics": metrics}
     if export_check and dist.get_rank() == 0:

@@ -103,3 +103,13 @@ def test_compiled_layers_match_eager(pools):
                                     timeout=400))
     for (l0, g0), (l1, g1) in zip(eager, compiled):
         assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (eager, compiled)
+
+
+def test_activation_checkpointing_and_text_data_are_cp_invariant(pools, single, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"document {i}: " + "lorem ipsum dolor sit amet " * (i + 3) for i in range(6)))
+    args = STEPS + ["train.activation_checkpointing=true", 'data.kind="text"', f'data.path="{corpus}"']
+    base = _losses(single.run("recipe_run", args + ["parallel.cp=1"], timeout=240))
+    got = _losses(pools(2).run("recipe_run", args + ["parallel.cp=2"], timeout=240))
+    for (l0, g0), (l1, g1) in zip(base, got):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (base, got)
