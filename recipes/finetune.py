@@ -42,6 +42,7 @@ DEFAULTS = {
               "clip": 1.0, "weight_decay": 0.0, "seed": 0, "activation_checkpointing": False,
               "stop_after": 0,  # end the run after this step count (0: at train.steps)
               "compile": False,  # torch.compile each decoder layer: true (inductor) or a backend name
+              "mlp_tile": 0,  # tile decoder MLPs along the sequence (tokens a tile; 0: off)
               "lora_r": 0, "lora_alpha": 32, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
     "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
     "checkpoint": {"dir": "", "every": 0, "export": ""},
@@ -234,6 +235,8 @@ def run(cfg: dict) -> list[dict]:
     model.set_attn_implementation(rhf.NAME)
     if t["activation_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t["mlp_tile"]:
+        rhf.enable_long_context(model, mlp_tile=t["mlp_tile"])
     if t["lora_r"]:
         model = _lora(model, cfg)
     if t["compile"]:  # ringfa4's attention runs eagerly inside (torch.compiler.disable)

@@ -107,3 +107,28 @@ def test_tiled_mlp_in_a_transformers_model():
     for name, p in model.named_parameters():
         r = grads[name.replace("mlp.mlp.", "mlp.")].grad
         assert torch.allclose(p.grad, r, rtol=1e-9, atol=1e-12), name
+
+
+def test_enable_long_context_keeps_names_and_values():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ringfa4.hf as rhf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ref = LlamaForCausalLM(cfg).double()
+    model = rhf.enable_long_context(copy.deepcopy(ref), mlp_tile=6)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    calls = []
+    real = model.model.layers[0].mlp.down_proj.forward
+    model.model.layers[0].mlp.down_proj.forward = lambda x: calls.append(x.shape[1]) or real(x)
+    ids = torch.randint(0, 64, (1, 20))
+    a, b = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    a.backward()
+    b.backward()
+    assert max(calls) <= 6 and abs(a.item() - b.item()) < 1e-12
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name].grad, rtol=1e-9, atol=1e-12), name

@@ -108,7 +108,8 @@ def test_compiled_layers_match_eager(pools):
 def test_activation_checkpointing_and_text_data_are_cp_invariant(pools, single, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"document {i}: " + "lorem ipsum dolor sit amet " * (i + 3) for i in range(6)))
-    args = STEPS + ["train.activation_checkpointing=true", 'data.kind="text"', f'data.path="{corpus}"']
+    args = STEPS + ["train.activation_checkpointing=true", "train.mlp_tile=7", 'data.kind="text"',
+                    f'data.path="{corpus}"']
     base = _losses(single.run("recipe_run", args + ["parallel.cp=1"], timeout=240))
     got = _losses(pools(2).run("recipe_run", args + ["parallel.cp=2"], timeout=240))
     for (l0, g0), (l1, g1) in zip(base, got):

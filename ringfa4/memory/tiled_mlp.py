@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["TiledMLP", "tiled_apply"]
+__all__ = ["TiledMLP", "tile_mlp_in_place", "tiled_apply"]
 
 
 class _Tiled(torch.autograd.Function):
@@ -45,14 +45,28 @@ class _Tiled(torch.autograd.Function):
         return (None, None, dx if x.requires_grad else None, *dparams)
 
 
-def tiled_apply(module: nn.Module, x: torch.Tensor, tile: int = 8192) -> torch.Tensor:
-    """``module(x)`` for a position-wise ``module`` on ``x (b, s, H)``, tiled along s."""
+def tiled_apply(module: nn.Module, x: torch.Tensor, tile: int = 8192, fn=None) -> torch.Tensor:
+    """``module(x)`` (or ``fn(x)``, a function of ``module``'s parameters) for a position-wise
+    module on ``x (b, s, H)``, tiled along s."""
     if tile < 1:
         raise ValueError(f"tile must be >= 1, got {tile}")
+    fn = module if fn is None else fn
     if x.shape[1] <= tile or not torch.is_grad_enabled():
-        return module(x) if x.shape[1] <= tile else torch.cat(
-            [module(x[:, s:s + tile]) for s in range(0, x.shape[1], tile)], dim=1)
-    return _Tiled.apply(module, tile, x, *module.parameters())
+        return fn(x) if x.shape[1] <= tile else torch.cat([fn(x[:, s:s + tile]) for s in range(0, x.shape[1], tile)],
+                                                          dim=1)
+    return _Tiled.apply(fn, tile, x, *module.parameters())
+
+
+def tile_mlp_in_place(mlp: nn.Module, tile: int = 8192) -> nn.Module:
+    """Make ``mlp`` run tile by tile without renaming it or its parameters (state dicts, FSDP
+    units and ``save_pretrained`` stay as they were): its forward is wrapped, nothing else."""
+    if getattr(mlp, "_ringfa4_tile", None) is not None:
+        mlp._ringfa4_tile = tile
+        return mlp
+    plain = mlp.forward
+    mlp._ringfa4_tile = tile
+    mlp.forward = lambda x: tiled_apply(mlp, x, mlp._ringfa4_tile, fn=plain)
+    return mlp
 
 
 class TiledMLP(nn.Module):
