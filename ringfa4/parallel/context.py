@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..kernels import AttnSpec, get_backend
 from ..kernels.autograd import block_attention
+from ..kernels.validate import validate_block
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import RingRun, ring_backward, ring_forward
@@ -376,8 +377,7 @@ class Pack:
         computes the same blocks in both executors; else one varlen call on a lone rank."""
         cp = self.cp
         if cp.world_size == 1 and not use_schedule:  # the whole batch in global order: one varlen call
-            cu = torch.tensor(self.packing.cu, dtype=torch.int32, device=q.device)
-            longest = max(self.packing.doc_lengths, default=0)
+            cu, longest = self.packing.cu_seqlens(q.device), max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             return cp._ring_attention(q, k, v, vspec)
         return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather)
@@ -394,8 +394,6 @@ class Pack:
                 if t.shape[0] != rows:
                     raise ValueError(f"{where}{name} must have this rank's {rows} packed tokens, got {t.shape[0]}")
             check_spec = spec.replace(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
-            from ..kernels.validate import validate_block
-
             validate_block(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), check_spec, where)
             if cp.ulysses > 1:
                 HeadSplit(q.shape[1], k.shape[1], cp.ulysses, where)

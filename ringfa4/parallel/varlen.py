@@ -150,19 +150,3 @@ class PackedRingSchedule(PackSchedule):
                 if b is not None:
                     groups.setdefault((qs.part, ks.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
         return tuple(VarlenCall(tuple(sorted(p)), key[2], key[3]) for key, p in sorted(groups.items(), key=str))
-
-    def work(self, rank: int) -> int:
-        total = 0
-        for t in range(self.num_steps):
-            for call in self.blocks(rank, t):
-                for q0, q1, k0, k1 in call.pairs:
-                    m, n = q1 - q0, k1 - k0
-                    left, right = call.window
-                    right = 0 if call.causal else right
-                    if left is None and right is None:
-                        total += m * n
-                    else:
-                        lo = -float("inf") if left is None else (n - m) - left
-                        hi = float("inf") if right is None else (n - m) + right
-                        total += sum(max(0, min(n - 1, i + hi) - max(0, i + lo) + 1) for i in range(m))
-        return int(total)
