@@ -43,6 +43,10 @@ DEFAULTS = {
               "stop_after": 0,  # end the run after this step count (0: at train.steps)
               "compile": False,  # torch.compile each decoder layer: true (inductor) or a backend name
               "mlp_tile": 0,  # tile decoder MLPs along the sequence (tokens a tile; 0: off)
+              "tiled_loss": 0,  # loss through lm_head in chunks of this many tokens (0: full logits)
+              # with activation_checkpointing: where layer inputs live (GiB budgets; 0 = none, -1 = no limit)
+              "ckpt_gpu_budget_gib": -1, "ckpt_host_budget_gib": 0, "ckpt_group": 0,
+              "cache_attention": False,  # the recompute reuses the forward's attention outputs
               "lora_r": 0, "lora_alpha": 32, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
     "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
     "checkpoint": {"dir": "", "every": 0, "export": ""},
@@ -156,6 +160,19 @@ def _lora(model, cfg):
     return get_peft_model(model, conf)
 
 
+def long_context_options(cfg: dict):
+    """The memory tools the config asks for (``ringfa4.hf.LongContext``)."""
+    t = cfg["train"]
+    gib = {k: None if t[k] < 0 else float(t[k]) for k in ("ckpt_gpu_budget_gib", "ckpt_host_budget_gib")}
+    if not t["activation_checkpointing"]:
+        if t["cache_attention"] or t["ckpt_group"] or t["ckpt_host_budget_gib"] or t["ckpt_gpu_budget_gib"] >= 0:
+            raise ValueError("train.ckpt_* and train.cache_attention need train.activation_checkpointing = true")
+        gib = dict.fromkeys(gib)
+    return rhf.LongContext(mlp_tile=t["mlp_tile"] or None, checkpoint=t["activation_checkpointing"],
+                           gpu_budget_gib=gib["ckpt_gpu_budget_gib"], host_budget_gib=gib["ckpt_host_budget_gib"],
+                           group=t["ckpt_group"] or None, cache_attention=t["cache_attention"])
+
+
 def _lr_lambda(cfg):
     t = cfg["train"]
 
@@ -233,21 +250,19 @@ def run(cfg: dict) -> list[dict]:
     model.to(device)
     ref_model = copy.deepcopy(model) if cfg["log"]["check_step0"] and rank == 0 else None
     model.set_attn_implementation(rhf.NAME)
-    if t["activation_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if t["mlp_tile"]:
-        rhf.enable_long_context(model, mlp_tile=t["mlp_tile"])
     if t["lora_r"]:
         model = _lora(model, cfg)
+    rhf.enable_long_context(model, long_context_options(cfg))
     if t["compile"]:  # ringfa4's attention runs eagerly inside (torch.compiler.disable)
         backend = "inductor" if t["compile"] is True else t["compile"]
         for layer in _decoder_layers(model):
             layer.compile(backend=backend)
+    train_module = rhf.TiledLossLM(model, t["tiled_loss"]) if t["tiled_loss"] else model
     if p["fsdp"]:
         from torch.distributed.fsdp import fully_shard
 
         flat = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
-        units = _decoder_layers(model) + [model]
+        units = _decoder_layers(model) + [train_module]  # the root holds embeddings, norm and lm_head
         for unit in units:
             fully_shard(unit, mesh=flat)
         for unit in units:  # per FSDP unit (each has its own state): the loss is already normalized
@@ -281,8 +296,11 @@ def run(cfg: dict) -> list[dict]:
             count = torch.tensor([shard.num_targets], device=device)
             dist.all_reduce(count, group=dp_group)  # the global count over the dp batch
             shard.num_targets = int(count.item()) * t["grad_accum"]
-            out = model(**shard.model_inputs())
-            loss, logged = rhf.causal_lm_loss(out.logits, shard)
+            if t["tiled_loss"]:
+                loss = train_module(shard)
+                logged = rhf.global_mean_loss(loss, shard)
+            else:
+                loss, logged = rhf.causal_lm_loss(model(**shard.model_inputs()).logits, shard)
             loss.backward()
             logged_total += logged.item()
             if ref_model is not None and step == start:
@@ -299,6 +317,9 @@ def run(cfg: dict) -> list[dict]:
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": logged_total, "grad_norm": gnorm, "lr": sched.get_last_lr()[0],
                "tokens_per_s_per_device": t["seq_len"] * t["grad_accum"] * p["dp"] / dt / world}
+        ckpt = getattr(model, "ringfa4_checkpointing", None)
+        if ckpt is not None and step == start:
+            row["checkpointing"] = ckpt.describe()
         metrics.append(row)
         log.step(row)
         every = cfg["checkpoint"]["every"]
@@ -375,7 +396,7 @@ class _Logger:
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         line = (f"step {row['step']}: loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
                 f"tok/s/dev {row['tokens_per_s_per_device']:.0f}  TFLOP/s/dev {row['tflops_per_device']:.3f}  "
-                f"MFU {100 * mfu:.2f}%")
+                f"MFU {100 * mfu:.2f}%") + (f"\n{row['checkpointing']}" if "checkpointing" in row else "")
         if self.bar is not None:
             self.bar.update(1)
             self.bar.write(line)

@@ -114,3 +114,18 @@ def test_activation_checkpointing_and_text_data_are_cp_invariant(pools, single, 
     got = _losses(pools(2).run("recipe_run", args + ["parallel.cp=2"], timeout=240))
     for (l0, g0), (l1, g1) in zip(base, got):
         assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (base, got)
+
+
+def test_memory_tools_leave_losses_unchanged(pools):
+    """cp=2 (FSDP2 over gloo): tiled loss, tiled MLP, host-held and rebuilt layer inputs and cached
+    attention outputs give the plain run's losses and gradient norms."""
+    common = STEPS + ["parallel.cp=2", "train.activation_checkpointing=true"]
+    plain = _losses(pools(2).run("recipe_run", common, timeout=240))
+    tools = ["train.tiled_loss=40", "train.mlp_tile=16", "train.ckpt_gpu_budget_gib=0.000017", "train.ckpt_group=2",
+             "train.ckpt_host_budget_gib=0.000014", "train.cache_attention=true"]  # 1 input: 11.7e-6 GiB
+    res = pools(2).run("recipe_run", common + tools, timeout=240)
+    got = _losses(res)
+    plan = res[0][1]["metrics"][0]["checkpointing"]
+    assert "0 on GPU, 1 on host, 1 rebuilt (group 2), attention outputs cached" in plan, plan
+    for (l0, g0), (l1, g1) in zip(plain, got):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (plain, got)

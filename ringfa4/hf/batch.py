@@ -21,7 +21,7 @@ from ..parallel import ContextParallel
 from ..parallel.packing import cu_seqlens_from_position_ids
 from .attention import NAME, CPMeta
 
-__all__ = ["CPBatch", "causal_lm_loss", "shard_batch"]
+__all__ = ["CPBatch", "causal_lm_loss", "global_mean_loss", "shard_batch"]
 
 IGNORE = -100
 
@@ -96,7 +96,13 @@ def causal_lm_loss(logits: torch.Tensor, batch: CPBatch, group=None) -> tuple[to
     total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
                             ignore_index=IGNORE, reduction="sum")
     loss = total / max(batch.num_targets, 1)
+    return loss, global_mean_loss(loss, batch, group)
+
+
+def global_mean_loss(loss: torch.Tensor, batch: CPBatch, group=None) -> torch.Tensor:
+    """The logged loss: this rank's ``loss`` (already over the global target count) summed over
+    ``group`` (default: the whole world), detached."""
     logged = loss.detach().clone()
     if dist.is_available() and dist.is_initialized() and not batch.meta.cp.is_simulated:
         dist.all_reduce(logged, group=group)
-    return loss, logged
+    return logged

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .output_cache import record_output, replay_output
 from .spec import AttnSpec, BlockBackend
 
 __all__ = ["block_attention"]
@@ -12,7 +13,9 @@ __all__ = ["block_attention"]
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, backend, spec):
-        out, lse = backend.forward(q, k, v, spec)
+        kept = replay_output()  # a checkpoint recompute with the forward's outputs kept
+        out, lse = kept if kept is not None else backend.forward(q, k, v, spec)
+        record_output(out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.spec = backend, spec
         ctx.mark_non_differentiable(lse)

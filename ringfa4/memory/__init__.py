@@ -1,7 +1,10 @@
-"""Million-token memory tools, model-agnostic: tiled causal-LM loss and tiled MLP (more to come:
-host-offloaded activation checkpoints, cached attention outputs)."""
+"""Million-token memory tools, model-agnostic: tiled causal-LM loss, tiled MLP, layer checkpointing
+with inputs on the GPU, the host or rebuilt (the recompute may reuse kept attention outputs)."""
 
+from ..kernels.output_cache import OutputCache
+from .offload import LayerCheckpointing, OffloadPlan, plan_offload
 from .tiled_loss import tiled_causal_lm_loss
 from .tiled_mlp import TiledMLP, tile_mlp_in_place, tiled_apply
 
-__all__ = ["TiledMLP", "tile_mlp_in_place", "tiled_apply", "tiled_causal_lm_loss"]
+__all__ = ["LayerCheckpointing", "OffloadPlan", "OutputCache", "TiledMLP", "plan_offload", "tile_mlp_in_place",
+           "tiled_apply", "tiled_causal_lm_loss"]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..kernels import AttnSpec, get_backend
 from ..kernels.autograd import block_attention
+from ..kernels.output_cache import record_output, replay_output
 from ..kernels.validate import validate_block
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
 from .checks import check_local, exchange_and_check, peer_failure, post_error
@@ -248,10 +249,11 @@ class ContextParallel:
         return RingRun(schedule, ranks, backend, base, self.transport)
 
     # per-rank views for the simulated executor
-    def _split(self, x: torch.Tensor, packing: Packing | None = None) -> list[torch.Tensor]:
+    def _split(self, x: torch.Tensor, packing: Packing | None = None, dim: int | None = None) -> list[torch.Tensor]:
         if not self.is_simulated:
             return [x]
-        place, dim = (self.layout, 1) if packing is None else (packing, 0)
+        place = self.layout if packing is None else packing
+        dim = (1 if packing is None else 0) if dim is None else dim
         return [place.shard(x, dim, r).contiguous() for r in range(self.world_size)]
 
     def _join(self, parts: list[torch.Tensor], dim: int = 1, packing: Packing | None = None) -> torch.Tensor:
@@ -276,10 +278,16 @@ class _RingAttention(torch.autograd.Function):
         run = cp.run(q, spec, packing, allgather)
         qs, ks, vs = (cp._split(t, packing) for t in (q, k, v))
         ctx.fns = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
-        outs, lses = cp._guard(ctx.fns[0], run, qs, ks, vs)
+        dim = 1 if packing is None else 0
+        kept = replay_output()  # a checkpoint recompute with the forward's (out, lse) kept
+        if kept is None:
+            outs, lses = cp._guard(ctx.fns[0], run, qs, ks, vs)
+            out, lse = cp._join(outs, dim, packing), cp._join(lses, dim + 1, packing)
+            record_output(out, lse)
+        else:
+            out, lse = kept
+            outs, lses = cp._split(out, packing, dim), cp._split(lse, packing, dim + 1)
         ctx.cp, ctx.run, ctx.packing = cp, run, packing
-        out = cp._join(outs, 1 if packing is None else 0, packing)
-        lse = cp._join(lses, 2 if packing is None else 1, packing)
         ctx.parts = (qs, ks, vs, outs, lses) if cp.is_simulated else ([q], [k], [v], [out], [lse])
         ctx.mark_non_differentiable(lse)
         return out, lse

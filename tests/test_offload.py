@@ -1,0 +1,165 @@
+"""Layer checkpointing with inputs on GPU / host / rebuilt, cached attention outputs, the tiled loss
+inside a model: each equals the plain computation (loss and every gradient, float64 on the CPU)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringfa4
+from ringfa4.memory import OffloadPlan, plan_offload
+
+transformers = pytest.importorskip("transformers")
+import ringfa4.hf as rhf  # noqa: E402
+
+GIB = 2**30
+
+
+def test_plan_offload_places_last_layers_on_gpu_then_host_then_groups():
+    assert plan_offload(4, GIB, None, None).places == ("gpu",) * 4
+    p = plan_offload(6, GIB, 2 * GIB, 10 * GIB)
+    assert p.places == ("host",) * 4 + ("gpu",) * 2 and p.group == 1
+    p = plan_offload(8, GIB, 3 * GIB, 2 * GIB)  # 5 inputs at most: k=2 keeps 4 heads, 1 rebuilt at a time
+    assert p.group == 2
+    assert p.places == ("host", "rebuild", "host", "rebuild", "gpu", "rebuild", "gpu", "rebuild")
+    assert plan_offload(8, GIB, 5 * GIB, 0, group=2).places == ("gpu", "rebuild") * 4
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_offload(8, GIB, 0.5 * GIB, 0)
+    with pytest.raises(ValueError, match="group=2"):
+        plan_offload(8, GIB, 2 * GIB, 0, group=2)
+
+
+def _model(layers=4, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return LlamaForCausalLM(cfg).double().train()
+
+
+def _loss_and_grads(model, ids, meta):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, use_cache=False, **({} if meta is None else {rhf.NAME: meta})).logits
+    loss = F.cross_entropy(logits[0, :-1], ids[0, 1:])  # float64 (transformers' own loss is float32)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("plan,cache", [
+    (OffloadPlan(("gpu",) * 4), False),
+    (OffloadPlan(("host", "host", "gpu", "gpu")), True),
+    (OffloadPlan(("host", "rebuild", "gpu", "rebuild"), group=2), False),
+    (OffloadPlan(("gpu", "rebuild", "rebuild", "rebuild"), group=4), True),
+])
+@pytest.mark.parametrize("cp_kind", ["one", "ring"])
+def test_layer_checkpointing_equals_plain(plan, cache, cp_kind):
+    from ringfa4.memory import LayerCheckpointing
+
+    cp = ringfa4.ContextParallel(backend="reference") if cp_kind == "one" else \
+        ringfa4.ContextParallel.simulated(2, backend="reference")
+    rhf.register(cp)
+    ref = _model()
+    ref.set_attn_implementation(rhf.NAME)
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    want_loss, want = _loss_and_grads(ref, ids, None)
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt = LayerCheckpointing(model.model.layers, plan=plan, cache=cache).install()
+    for _ in range(2):  # a second step reuses the pinned pool and the plan
+        loss, grads = _loss_and_grads(model, ids, None)
+        assert torch.equal(loss, want_loss)
+        assert grads.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
+    rebuilt = plan.places.count("rebuild")
+    assert ckpt.rebuilds == 2 * rebuilt
+    if cache:  # every recompute (and every rebuild) reused the forward's attention output
+        assert ckpt.cache.hits == 2 * (4 + rebuilt) and not ckpt.cache.slots
+    assert ckpt.peak_host_bytes == plan.places.count("host") * 24 * 32 * 8
+
+
+def test_attention_cache_skips_the_recompute_forward(monkeypatch):
+    from ringfa4.kernels import reference
+
+    calls = {"n": 0}
+    real = reference.ReferenceBackend.forward
+
+    def counting(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(reference.ReferenceBackend, "forward", counting)
+    rhf.register(ringfa4.ContextParallel(backend="reference"))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(2))
+    counts = []
+    for cache in (False, True):
+        model = _model(layers=3)
+        model.set_attn_implementation(rhf.NAME)
+        rhf.enable_long_context(model, mlp_tile=None, cache_attention=cache)
+        calls["n"] = 0
+        _loss_and_grads(model, ids, None)
+        counts.append(calls["n"])
+    assert counts == [6, 3]
+
+
+def test_enable_long_context_budgets_and_tiled_loss_module():
+    rhf.register(ringfa4.ContextParallel(backend="reference"))
+    ref = _model()
+    ref.set_attn_implementation(rhf.NAME)
+    S = 24
+    ids = torch.randint(0, 64, (1, S), generator=torch.Generator().manual_seed(3))
+    want_loss, want = _loss_and_grads(ref, ids, None)
+    model = copy.deepcopy(ref)
+    layer_bytes = S * 32 * 8
+    rhf.enable_long_context(model, rhf.LongContext(mlp_tile=5, gpu_budget_gib=2.5 * layer_bytes / GIB,
+                                                   host_budget_gib=1.0 * layer_bytes / GIB, cache_attention=True))
+    train = rhf.TiledLossLM(model, chunk=7)
+    shard = rhf.shard_batch({"input_ids": ids}, ringfa4.ContextParallel(backend="reference"))
+    loss = train(shard)
+    loss.backward()
+    ckpt = model.ringfa4_checkpointing
+    assert ckpt.plan.group == 2 and "rebuild" in ckpt.plan.places, ckpt.describe()
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-12, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-13, msg=n)
+    with pytest.raises(ValueError, match="unknown long-context options"):
+        rhf.enable_long_context(model, offload=True)
+    small = rhf.enable_long_context(_model(), gpu_budget_gib=0.1 * layer_bytes / GIB, host_budget_gib=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        _loss_and_grads(small, ids, None)
+
+
+@pytest.mark.gpu
+def test_host_offload_same_gradients_less_gpu_memory():
+    """A 4-layer Llama (hidden 1024) at 16k tokens on the GPU: host-held inputs give the same
+    gradients as GPU-held ones and a lower peak."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rhf.register(ringfa4.ContextParallel(backend="auto"))
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, use_cache=False)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    base.set_attn_implementation(rhf.NAME)
+    ids = torch.randint(0, 1000, (1, 16384), device="cuda")
+    results = {}
+    for name, budget in (("gpu", None), ("host", 0.0)):
+        model = copy.deepcopy(base)
+        rhf.enable_long_context(model, mlp_tile=4096, gpu_budget_gib=budget, host_budget_gib=None)
+        train = rhf.TiledLossLM(model, chunk=4096)
+        shard = rhf.shard_batch({"input_ids": ids}, ringfa4.ContextParallel(backend="auto"))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        train(shard).backward()
+        torch.cuda.synchronize()
+        results[name] = (torch.cuda.max_memory_allocated() - start,
+                         {n: p.grad.float() for n, p in model.named_parameters()})
+        del model, train
+    (peak_gpu, g_gpu), (peak_host, g_host) = results["gpu"], results["host"]
+    layer = 16384 * 1024 * 2
+    assert peak_host < peak_gpu - 2 * layer, (peak_gpu / 2**20, peak_host / 2**20)
+    for n in g_gpu:  # same kernels, same order: only the placement of the saved inputs differs
+        assert torch.equal(g_gpu[n], g_host[n]), n
