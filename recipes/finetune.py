@@ -442,19 +442,56 @@ def dry_run(cfg: dict) -> str:
     n_params = _flops_per_token(mc, 0) / 6 + 2 * mc.vocab_size * mc.hidden_size
     bytes_per = torch.finfo(getattr(torch, m["dtype"])).bits // 8
     local_tokens = t["seq_len"] // p["cp"]
-    weights = n_params * (bytes_per + 12) / world  # params + fp32 grads/Adam moments, FSDP-sharded
-    acts = local_tokens * mc.hidden_size * bytes_per * mc.num_hidden_layers * (2 if t["activation_checkpointing"]
-                                                                             else 16)
+    est = memory_estimate(mc, local_tokens, bytes_per, n_params, world, cfg)
     text = "\n".join([
         f"mesh: dp={p['dp']} x cp={p['cp']} ({world} ranks), FSDP over all {world}" + ("" if p["fsdp"] else " (off)"),
         plan.describe(),
         f"model: {mc.model_type}, ~{n_params / 1e6:.0f}M params, {mc.num_hidden_layers} layers, seq_len {t['seq_len']} "
         f"({local_tokens} tokens per rank)",
-        f"memory estimate per rank: weights+grads+Adam {weights / 2**30:.2f} GiB, activations ~{acts / 2**30:.2f} GiB"
-        f" ({'checkpointed layer inputs' if t['activation_checkpointing'] else 'no checkpointing, ~16 x hidden'})",
+        "memory estimate per rank (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in est.items() if k != "plan"),
+        f"  checkpointed layer inputs: {est['plan']}",
     ])
     print(text)
     return text
+
+
+# bytes per local token and hidden unit alive at the peak of one layer's backward (recomputed
+# activations, their gradients, FA4's fp32 dq accumulator), besides the checkpointed inputs:
+# measured on the H200 by benchmarks/capacity.py (see README, Memory)
+WORKING_SET_PER_TOKEN_HIDDEN = 16
+
+
+def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) -> dict:
+    """Per-rank GPU memory of one step in bytes: weights, trainable state, checkpointed inputs kept
+    on the GPU (and on the host), cached attention outputs, one layer's working set, logits."""
+    from ringfa4.memory import plan_offload
+
+    t = cfg["train"]
+    H, L, V = mc.hidden_size, mc.num_hidden_layers, mc.vocab_size
+    if t["lora_r"]:  # frozen bf16 weights; LoRA factors with grads and Adam moments (small)
+        state = n_params * b + L * len(t["lora_targets"]) * t["lora_r"] * 2 * H * (b + 12)
+    else:  # params, grads, fp32 Adam moments, FSDP-sharded
+        state = n_params * (2 * b + 8) / world
+    layer_in = n * H * b
+    out = {"weights+state": state}
+    if t["activation_checkpointing"]:
+        opts = long_context_options(cfg)
+        gib = [None if x is None else x * 2**30 for x in (opts.gpu_budget_gib, opts.host_budget_gib)]
+        plan = plan_offload(L, layer_in, *gib, group=opts.group)
+        c = plan.counts()
+        out["inputs_gpu"] = (c["gpu"] + plan.group - 1) * layer_in
+        out["inputs_host"] = c["host"] * layer_in
+        heads = mc.num_attention_heads
+        d = getattr(mc, "head_dim", None) or H // heads
+        out["cached_attention"] = L * n * heads * (d * b + 4) if opts.cache_attention else 0
+        out["plan"] = f"{c['gpu']} GPU, {c['host']} host, {c['rebuild']} rebuilt (group {plan.group})"
+        out["working_set"] = WORKING_SET_PER_TOKEN_HIDDEN * n * H * b / 2
+    else:
+        out["activations"] = 16 * n * H * b * L
+        out["plan"] = "no checkpointing"
+    out["logits"] = (min(t["tiled_loss"], n) if t["tiled_loss"] else n) * V * (b + 8)
+    out["total_gpu"] = sum(v for k, v in out.items() if k not in ("plan", "inputs_host"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,3 +48,23 @@ def test_ulysses_a2a_volume():
     # q + k + v + out of 8k tokens: (32 + 8 + 8 + 32) heads x 128 x 2 bytes x 7/8
     assert abs(fwd - 8192 * 80 * 128 * 2 * 7 / 8 / 1e6) < 1e-9 and fwd == bwd
     assert ulysses_sim.a2a_mb_per_rank(65536, 8, 1, 32, 8, 128) == (0.0, 0.0)
+
+
+def test_capacity_runs_tiny(tmp_path):
+    """benchmarks/capacity.py end to end on a tiny shape (CPU): both modes, host placement, shares."""
+    import json
+    import subprocess
+
+    pytest_ = __import__("pytest")
+    pytest_.importorskip("peft")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "capacity.py")
+    for mode, extra in (("ringfa4", ["--host-budget-gib", "0.001", "--gpu-budget-gib", "0", "--shares",
+                                     "--cache-attention"]), ("plain", [])):
+        out = tmp_path / f"{mode}.json"
+        r = subprocess.run([sys.executable, script, "--tiny", "--mode", mode, "--layers", "2", "--seqs", "64",
+                            "--out", str(out), *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["step_s"] > 0 and row["loss"] > 0
+        if mode == "ringfa4":
+            assert "0 on GPU, 2 on host" in row["placement"] and set(row["shares"]) == {"attention", "mlp", "loss"}
