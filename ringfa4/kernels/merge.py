@@ -10,19 +10,24 @@ Given an fp32 accumulator ``(out_acc (b, s, h, d), lse_acc (b, h, s))`` and a bl
 guarded so that a side at -inf contributes nothing and two -inf sides leave (out 0, lse -inf),
 never NaN. (The sigmoid form ``out -= sigmoid(lse_blk - lse) * (out - out_blk)`` is NaN on an
 accumulator at -inf.) All arguments may be views (e.g. one zigzag half of the accumulator); varlen
-tensors ``out (t, h, d)``, ``lse (h, t)`` work too. On CUDA a fused Triton kernel
-(:mod:`.merge_triton`) does it in one pass.
+tensors ``out (t, h, d)``, ``lse (h, t)`` work too. On CUDA a fused kernel does it in
+one pass: ours in CuTe DSL (:mod:`.cute_merge`), else Triton (:mod:`.merge_triton`);
+``RINGFA4_MERGE=cute|triton|torch`` forces one (``auto``: the first that takes the call).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from .cute_merge import cute_merge_available, merge_lse_cute_
 from .merge_triton import merge_lse_triton_, triton_merge_available
 
-__all__ = ["merge_lse", "merge_lse_", "merge_lse_torch_"]
+__all__ = ["MERGE_IMPLS", "merge_lse", "merge_lse_", "merge_lse_torch_"]
+
+MERGE_IMPLS = ("auto", "cute", "triton", "torch")
 
 
 def _weights(lse_acc: torch.Tensor, lse_blk: torch.Tensor):
@@ -51,8 +56,16 @@ def merge_lse_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tens
                lse_blk: torch.Tensor) -> None:
     """Merge ``(out_blk, lse_blk)`` into the fp32 accumulator ``(out_acc, lse_acc)`` in place."""
     _check(out_acc, lse_acc, out_blk, lse_blk)
-    if out_acc.is_cuda and triton_merge_available() and merge_lse_triton_(out_acc, lse_acc, out_blk, lse_blk):
-        return
+    if out_acc.is_cuda:
+        which = os.environ.get("RINGFA4_MERGE", "auto")
+        if which not in MERGE_IMPLS:
+            raise ValueError(f"RINGFA4_MERGE must be one of {MERGE_IMPLS}, got {which!r}")
+        if which in ("auto", "cute") and cute_merge_available() and merge_lse_cute_(out_acc, lse_acc, out_blk,
+                                                                                     lse_blk):
+            return
+        if which in ("auto", "triton") and triton_merge_available() and merge_lse_triton_(out_acc, lse_acc, out_blk,
+                                                                                          lse_blk):
+            return
     merge_lse_torch_(out_acc, lse_acc, out_blk, lse_blk)
 
 
