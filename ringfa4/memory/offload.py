@@ -22,6 +22,7 @@ replay RNG state).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,10 @@ class LayerCheckpointing:
 
     # -- the checkpoint of one layer ---------------------------------------------------------------
     def __call__(self, i: int, fn, *args):
+        if not args and isinstance(fn, functools.partial) and "hidden_states" in fn.keywords:
+            kw = dict(fn.keywords)  # hidden states passed by keyword: make them the checkpointed input
+            args = (kw.pop("hidden_states"),)
+            fn = functools.partial(fn.func, *fn.args, **kw)
         x = args[0]
         plan = self._plan_for(x)
         if i == 0:  # a new step: whatever the last one left unused goes back to the pool
