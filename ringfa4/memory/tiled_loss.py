@@ -22,9 +22,15 @@ def _acc(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)  # fp32 math (fp64 for fp64 inputs)
 
 
+def _mm_dtype(h: torch.Tensor) -> torch.dtype:
+    """16-bit inputs multiply on tensor cores (fp32 accumulation inside, as transformers does);
+    fp32/fp64 inputs keep their precision."""
+    return h.dtype if h.dtype in (torch.bfloat16, torch.float16) else _acc(h)
+
+
 def _chunk_logits(h, weight, bias, softcap):
-    a = _acc(h)
-    logits = F.linear(h.to(a), weight.to(a), None if bias is None else bias.to(a))
+    m = _mm_dtype(h)
+    logits = F.linear(h.to(m), weight.to(m), None if bias is None else bias.to(m)).to(_acc(h))
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
@@ -49,9 +55,11 @@ class _TiledLoss(torch.autograd.Function):
         flat_h = hidden.reshape(-1, hidden.shape[-1])
         flat_t = targets.reshape(-1)
         dh = torch.empty_like(flat_h)
-        a = _acc(hidden)
-        dw = torch.zeros_like(weight, dtype=a)
-        db = None if bias is None else torch.zeros_like(bias, dtype=a)
+        a, m = _acc(hidden), _mm_dtype(hidden)
+        w_m = weight.to(m)
+        need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        dw = torch.zeros_like(weight, dtype=a) if need_w else None  # frozen head (LoRA): skipped
+        db = torch.zeros_like(bias, dtype=a) if need_b else None
         g = grad.to(a) * ctx.scale
         for start in range(0, flat_h.shape[0], ctx.chunk):
             h = flat_h[start:start + ctx.chunk]
@@ -64,12 +72,14 @@ class _TiledLoss(torch.autograd.Function):
             dlogits *= g
             if ctx.softcap:  # d softcap*tanh(x/softcap) / dx = 1 - tanh^2
                 dlogits *= 1.0 - (logits / ctx.softcap) ** 2
-            dh[start:start + ctx.chunk] = (dlogits @ weight.to(a)).to(dh.dtype)
-            dw += dlogits.t() @ h.to(a)
+            dl = dlogits.to(m)
+            dh[start:start + ctx.chunk] = (dl @ w_m).to(dh.dtype)
+            if dw is not None:
+                dw += (dl.t() @ h.to(m)).to(a)
             if db is not None:
                 db += dlogits.sum(0)
-        return (dh.view_as(hidden), dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None, None, None,
-                None)
+        return (dh.view_as(hidden), None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None)
 
 
 def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, num_targets: int,
@@ -81,7 +91,9 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     lm_head; targets ``(...)`` int64, already shifted, -100 = ignored; ``num_targets`` the *global*
     count of valid targets (over all CP ranks, e.g. ``CPBatch.num_targets``), so gradients summed
     over ranks equal the single-process gradients. ``logit_softcap`` for Gemma-style final
-    soft-capping. Math in fp32; backward recomputes each chunk's logits.
+    soft-capping. Softmax and cross entropy in fp32; 16-bit inputs multiply on tensor cores with fp32
+accumulation (logits rounded once to 16 bits, as transformers' own loss does); backward
+recomputes each chunk's logits and skips the head's gradient when it is frozen.
     """
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
