@@ -260,30 +260,34 @@ class LayerCheckpointing:
             if place == "host":
                 self._host.append((i, held))
             self._heads[i] = held
-            return i
+            return held
 
-        def unpack(key):
-            held = self._heads.pop(key)
+        def unpack(held):  # may run more than once for one saved input: idempotent
             x = self._take(held) if held.host is not None else held.gpu
+            held.gpu = x
             self._prefetch_before(i)
             return x
         return pack, unpack
 
     def _rebuild_hooks(self, i: int, head: int):
         def pack(x):
-            return i  # nothing kept: rebuilt from the head's input when backward gets here
+            return _Held()  # nothing kept: rebuilt from the head's input when backward gets here
 
-        def unpack(key):
-            if key not in self._rebuilt:
-                self._rebuild_group(head, key)
-            return self._rebuilt.pop(key)
+        def unpack(held):  # idempotent: a second unpack of the same input reuses the first
+            if held.gpu is None:
+                if i not in self._rebuilt:
+                    self._rebuild_group(head, i)
+                held.gpu = self._rebuilt.pop(i)
+            return held.gpu
         return pack, unpack
 
     def _rebuild_group(self, head: int, upto: int) -> None:
         """Recompute (no grad) the inputs of layers head+1 .. upto from the head's kept input."""
+        for later in [h for h in self._heads if h > head]:  # their groups' backward is over
+            del self._heads[later]
         held = self._heads[head]
         x = self._take(held) if held.host is not None else held.gpu
-        held.gpu, held.host = x, None  # the head's own unpack reuses it
+        held.gpu = x  # the head's own unpack reuses it
         with torch.no_grad():
             for j in range(head, upto):
                 layer = self.layers[j]
