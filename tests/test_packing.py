@@ -186,6 +186,8 @@ def test_auto_mode_rule():
     short = Packing([0] + [64 * (i + 1) for i in range(64)], make_layout("zigzag", 8))  # 64 docs of 64
     long = Packing([0, 65536], make_layout("zigzag", 8))
     assert prefer_allgather(short, 32, 8) and not prefer_allgather(long, 32, 8)
+    bench = Packing([0, 12000, 20000, 36000, 44000, 52000, 60000, 65536], make_layout("zigzag", 8))
+    assert prefer_allgather(bench, 32, 8)  # l ~ 10k < 4096 x 8: varlen_sim measured all-gather ahead
     cp = ringfa4.ContextParallel.simulated(8, backend="reference")
     assert cp.pack(torch.tensor(short.cu, dtype=torch.int32)).uses_allgather(32, 8)
     assert not cp.pack(torch.tensor(short.cu, dtype=torch.int32), mode="ring").uses_allgather(32, 8)

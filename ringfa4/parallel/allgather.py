@@ -7,6 +7,12 @@ hiding behind compute; one all-gather moves the same bytes once, with no per-ste
 rule (``mode="auto"`` in ``cp.pack``): per token, a ring step computes ~4 l h d / P FLOPs (l = the
 token-weighted mean document length, sum(L^2) / S) and moves 4 h_kv d bytes of K/V; at ~600
 TFLOP/s against ~300 GB/s the hop hides when l >= 2000 P h_kv / h. Below that: all-gather.
+Second, on the compute side: the ring makes about two varlen calls a step on chunks of l / 2P
+tokens, and below ~2k-token chunks each call's host overhead outweighs its GPU work. Measured on
+the H200 (benchmarks/varlen_sim.py, 7 documents of 1k-16k tokens, l ~ 10k, h = 32 / 8):
+all-gather 0.67 / 0.62 (fwd / fwd+bwd efficiency) vs ring 0.58 / 0.53 at P = 4, and 0.57 / 0.47
+vs 0.25 / 0.40 at P = 8; so all-gather also when l < 4096 P. ``mode="ring"`` or ``"allgather"``
+overrides the rule.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
     if pack.total == 0:
         return False
     mean_len = sum(n * n for n in pack.doc_lengths) / pack.total
-    return mean_len < 2000 * pack.world_size * num_kv_heads / num_heads
+    P = pack.world_size
+    return mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P)
 
 
 @dataclass(frozen=True, eq=False)
