@@ -12,7 +12,8 @@ attention outputs. A row reports step time, tokens/s, MFU (torchtitan's conventi
 discounted, like the recipe), peak GPU memory (allocated and reserved), host memory (pinned pool
 and peak RSS), where the checkpointed inputs went, and the time shares of attention, MLP and loss
 from separate timings of one layer's attention and MLP (forward, recompute, backward) and of the
-loss at the same length. Rows that run out of memory say so. Prints a table, writes JSON.
+loss at the same length. Rows that run out of memory say so. Each row runs in a fresh process
+(nothing of the previous row's model can stay on the GPU). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import copy
 import gc
 import json
 import resource
+import subprocess
+import sys
 import time
 
 import torch
@@ -185,6 +188,7 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (smoke test)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     shape = copy.deepcopy(LLAMA31_8B)
@@ -192,10 +196,21 @@ def main() -> None:
         shape.update(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                      num_key_value_heads=2)
         a.dtype, a.backend = "float32", "reference"
+    if a.one:  # one row in this process (the parent runs each row in a fresh one)
+        layers, seq, warm = (int(x) for x in a.one.split(","))
+        print("ROW " + json.dumps(run_row(layers, seq, a, device, shape, bool(warm))), flush=True)
+        return
     rows = []
     for i, seq in enumerate(int(s) for s in a.seqs.split(",")):
         for layers in (int(x) for x in a.layers.split(",")):
-            rows.append(run_row(layers, seq, a, device, shape, warm=not a.no_warm and (i == 0 or a.mode == "plain")))
+            warm = int(not a.no_warm and (i == 0 or a.mode == "plain"))
+            r = subprocess.run([sys.executable, *sys.argv, "--one", f"{layers},{seq},{warm}"], capture_output=True,
+                               text=True)
+            found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+            if not found:
+                print(r.stdout[-3000:], r.stderr[-3000:])
+                raise SystemExit(f"row layers={layers} seq={seq} failed (exit {r.returncode})")
+            rows.append(json.loads(found[0]))
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\n{a.mode}: Llama-3.1-8B shape, LoRA r=16, {a.dtype}, {where}")
     print("| layers | seq | step s | tok/s | MFU | peak GiB | reserved | host pinned | attn/mlp/loss share |")
