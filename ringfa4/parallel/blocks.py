@@ -49,6 +49,15 @@ class Block:
     def merge(self, out_acc, lse_acc, o, l) -> None:
         merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
 
+    def place(self, slot_o, slot_l, o, l) -> None:
+        """Put the block result into its rows of a combine slot (where the forward wrote it unless
+        the backend ignored ``out=``)."""
+        dst_o, dst_l = slot_o[:, self.q0:self.q1], slot_l[:, :, self.q0:self.q1]
+        if o.data_ptr() != dst_o.data_ptr():
+            dst_o.copy_(o)
+        if l.data_ptr() != dst_l.data_ptr():
+            dst_l.copy_(l)
+
     def backward(self, backend, dout, q, k, v, out, lse, base):
         r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
         return backend.backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], self.spec(base))

@@ -2,7 +2,8 @@
 holds (one rank: distributed; all P: simulated), with the transport injected.
 
 Forward: K/V of each rank live in one flat double buffer; the hop for step t+1 is posted before
-step t's blocks run; block outputs land in a preallocated scratch and merge into fp32 (out, lse).
+step t's blocks run; block outputs land in a preallocated scratch and merge into fp32 (out, lse),
+or (``slots`` = n) go to n slots that one combine folds into the accumulator every n blocks.
 Backward: per block, the backend backward with the *global* merged out and lse; dq accumulates in
 fp32 locally; dK/dV accumulate in fp32 and travel with the K/V, reaching their owner after the
 last active step; one cast at the end. Steps after the last one any rank needs are not run.
@@ -11,15 +12,17 @@ last active step; one cast at the end. Steps after the last one any rank needs a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import AttnSpec, BlockBackend
+from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["RingRun", "ring_backward", "ring_forward"]
+__all__ = ["RingRun", "ring_backward", "ring_forward", "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,21 @@ class RingRun:
     backend: BlockBackend
     spec: AttnSpec
     transport: Transport
+    slots: int = 0  # 0: merge each block into the accumulator; n > 0: keep n block outputs, combine once
 
     @property
     def active_steps(self) -> int:
         """Steps up to the last one any rank has work in (later K/V is never needed)."""
         return active_steps(self.schedule)
+
+
+def ring_slots() -> int:
+    """Forward merge mode from ``RINGFA4_RING_SLOTS``: 0 (default) merges every block at once;
+    n > 0 keeps n block outputs and combines them in one pass (see :class:`_SlotCombine`)."""
+    raw = os.environ.get("RINGFA4_RING_SLOTS", "0")
+    if not raw.isdigit():
+        raise ValueError(f"RINGFA4_RING_SLOTS must be an int >= 0, got {raw!r}")
+    return int(raw)
 
 
 def active_steps(schedule) -> int:
@@ -126,29 +139,83 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     nxt = [bufs.empty(q0.device) for _ in cur]
     outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
     lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
-    scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    merge = (_SlotCombine if run.slots else _StepMerge)(qs, outs, lses, dv, lse_dtype, run.slots)
     steps, world = run.active_steps, run.schedule.world_size
-    fresh = [True] * len(qs)  # accumulator still empty: a block over all rows is copied, not merged
     for t in range(steps):
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
-            q = qs[i]
-            if q.shape not in scratch:
-                scratch[q.shape] = (q.new_empty(q.shape[:-1] + (dv,)), q.new_empty(_lse_shape(q), dtype=lse_dtype))
             k_t, v_t = bufs.view(cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
-            rows = _rows(run, r, q)
             for blk in run.schedule.blocks(r, t):
-                o, l = blk.forward(run.backend, q, k_t, v_t, run.spec, *scratch[q.shape])
-                if fresh[i] and blk.covers(rows):
-                    outs[i].copy_(o)
-                    lses[i].copy_(l)
-                else:
-                    blk.merge(outs[i], lses[i], o, l)
-                fresh[i] = False
+                o, l = blk.forward(run.backend, qs[i], k_t, v_t, run.spec, *merge.target(i))
+                merge.add(i, blk, o, l, _rows(run, r, qs[i]))
         if handle is not None:
             run.transport.wait(handle)
             cur, nxt = nxt, cur
+    merge.finish()
     return [o.to(q.dtype) for o, q in zip(outs, qs)], lses
+
+
+class _StepMerge:
+    """Each block's output lands in one scratch and merges into the fp32 accumulator at once (the
+    first block over all rows is copied instead)."""
+
+    def __init__(self, qs, outs, lses, dv, lse_dtype, _slots) -> None:
+        self.outs, self.lses = outs, lses
+        by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # simulated ranks share one
+        for q in qs:
+            if q.shape not in by_shape:
+                by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (dv,)), q.new_empty(_lse_shape(q), dtype=lse_dtype))
+        self.scratch = [by_shape[q.shape] for q in qs]
+        self.fresh = [True] * len(qs)
+
+    def target(self, i: int):
+        return self.scratch[i]
+
+    def add(self, i: int, blk, o, l, rows: int) -> None:
+        if self.fresh[i] and blk.covers(rows):
+            self.outs[i].copy_(o)
+            self.lses[i].copy_(l)
+        else:
+            blk.merge(self.outs[i], self.lses[i], o, l)
+        self.fresh[i] = False
+
+    def finish(self) -> None:
+        pass
+
+
+class _SlotCombine:
+    """Deferred correction: block outputs go to ``n`` slots (rows a slot's block did not write
+    keep lse = -inf); every n blocks one combine reads the slots once and updates the
+    accumulator: per block about 2 + 8/n bytes of traffic an element instead of a merge's 10."""
+
+    def __init__(self, qs, outs, lses, dv, lse_dtype, slots: int) -> None:
+        self.outs, self.lses, self.n = outs, lses, slots
+        self.parts = [q.new_empty((slots,) + q.shape[:-1] + (dv,)) for q in qs]
+        self.lse_parts = [torch.full((slots,) + _lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device)
+                          for q in qs]
+        self.used = [0] * len(qs)
+
+    def target(self, i: int):
+        u = self.used[i]
+        return self.parts[i][u], self.lse_parts[i][u]
+
+    def add(self, i: int, blk, o, l, rows: int) -> None:
+        u = self.used[i]
+        blk.place(self.parts[i][u], self.lse_parts[i][u], o, l)
+        self.used[i] = u + 1
+        if self.used[i] == self.n:
+            self._combine(i)
+
+    def _combine(self, i: int) -> None:
+        u = self.used[i]
+        if u:
+            combine_lse_(self.outs[i], self.lses[i], self.parts[i], self.lse_parts[i], u)
+            self.lse_parts[i][:u].fill_(-math.inf)
+            self.used[i] = 0
+
+    def finish(self) -> None:
+        for i in range(len(self.outs)):
+            self._combine(i)
 
 
 def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor], ks: list[torch.Tensor],

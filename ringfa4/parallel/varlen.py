@@ -86,6 +86,20 @@ class VarlenCall:
         out_acc.index_copy_(0, idx, acc_o)
         lse_acc.index_copy_(1, idx, acc_l)
 
+    def place(self, slot_o, slot_l, o, l) -> None:
+        """Put the block result into its rows of a combine slot (the forward wrote it there when q
+        is contiguous, unless the backend ignored ``out=``)."""
+        if self.q_contiguous:
+            dst_o, dst_l = self._rows(slot_o, "q"), self._rows(slot_l, "q", 1)
+            if o.data_ptr() != dst_o.data_ptr():
+                dst_o.copy_(o)
+            if l.data_ptr() != dst_l.data_ptr():
+                dst_l.copy_(l)
+            return
+        idx = self._meta(slot_o.device)[4]
+        slot_o.index_copy_(0, idx, o.to(slot_o.dtype))
+        slot_l.index_copy_(1, idx, l.to(slot_l.dtype))
+
     def backward(self, backend, dout, q, k, v, out, lse, base):
         return backend.backward(self._rows(dout, "q"), self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k"),
                                 self._rows(out, "q"), self._rows(lse, "q", 1).contiguous(), self.spec(base, q.device))
