@@ -68,3 +68,16 @@ def test_capacity_runs_tiny(tmp_path):
         assert row["step_s"] > 0 and row["loss"] > 0
         if mode == "ringfa4":
             assert "0 on GPU, 2 on host" in row["placement"] and set(row["shares"]) == {"attention", "mlp", "loss"}
+
+
+def test_ring_profile_runs_tiny():
+    """benchmarks/ring_profile.py end to end on the CPU (reference backend): groups and top ops."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "ring_profile.py")
+    for extra in ([], ["--packed", "--forward-only"]):
+        r = subprocess.run([sys.executable, script, "--seq", "128", "--world", "2", "--heads", "2", "--kv-heads", "1",
+                            "--head-dim", "8", "--backend", "reference", "--reps", "1", *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "| group | ms | share of busy |" in r.stdout and "device busy" in r.stdout

@@ -1,0 +1,127 @@
+"""Where a simulated ring step spends its time: torch.profiler over the ring forward (+ backward)
+on one GPU, kernels grouped by what they do, and the GPU-busy share of the wall time (below ~1 the
+host is the bottleneck).
+
+    python benchmarks/ring_profile.py --seq 65536 --world 8 [--packed] [--out bench_results/ring_profile.json]
+
+Groups: attention (FA4 / backend kernels), merge (the fused merge or combine), copies (memcpy,
+hops, casts), accumulate (elementwise adds of dq / dk / dv), other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+import ringfa4
+
+GROUPS = (("attention", ("flash", "fmha", "attention", "sm90", "sm100", "cutlass_kernel_flash")),
+          ("merge", ("merge", "combine", "ringmerge", "ringcombine")),
+          ("copies", ("memcpy", "copy", "cast", "convert", "cat", "index")),
+          ("accumulate", ("add", "elementwise", "vectorized", "fill")))
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def run(args, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    S, h, hk, d = args.seq, args.heads, args.kv_heads, args.head_dim
+    cp = ringfa4.ContextParallel.simulated(args.world, backend=args.backend)
+    pack = None
+    shape = (S, h, d) if args.packed else (1, S, h, d)
+    kvshape = (S, hk, d) if args.packed else (1, S, hk, d)
+    if args.packed:
+        random.seed(0)
+        lens, left = [], S
+        while left > 0:
+            n = min(left, random.randint(args.seq // 64, args.seq // 4))
+            lens.append(n)
+            left -= n
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+        pack = cp.pack(cu)
+    q = torch.randn(shape, device=device, dtype=dt, generator=g)
+    k, v = (torch.randn(kvshape, device=device, dtype=dt, generator=g) for _ in range(2))
+    do = torch.randn(shape, device=device, dtype=dt, generator=g)
+
+    def step():
+        qq, kk, vv = (t.detach().requires_grad_(args.backward) for t in (q, k, v))
+        out = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, packing=pack)
+        if args.backward:
+            out.backward(do)
+
+    for _ in range(2):
+        step()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
+                                                     else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(args.reps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.reps
+    use_cuda = device.type == "cuda"
+    totals: dict[str, float] = {}
+    top = []
+    for e in prof.key_averages():
+        t = (e.self_device_time_total if use_cuda else e.self_cpu_time_total) / args.reps / 1e3  # ms
+        if t <= 0 or (use_cuda and e.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        grp = group_of(e.key)
+        totals[grp] = totals.get(grp, 0.0) + t
+        top.append((t, e.key[:90], grp, e.count // args.reps))
+    top.sort(reverse=True)
+    busy = sum(totals.values())
+    return {"seq": S, "world": args.world, "packed": args.packed, "backward": args.backward, "wall_ms": wall * 1e3,
+            "busy_ms": busy, "busy_share": busy / (wall * 1e3), "groups_ms": totals,
+            "top": [{"ms": t, "name": n, "group": gname, "calls": c} for t, n, gname, c in top[:25]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--packed", action="store_true", help="random documents of S/64..S/4 tokens")
+    ap.add_argument("--forward-only", dest="backward", action="store_false")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    r = run(a, device)
+    print(json.dumps({k: v for k, v in r.items() if k != "top"}))
+    print(f"\nring {'packed ' if a.packed else ''}S={a.seq} P={a.world} {'fwd+bwd' if a.backward else 'fwd'}, all "
+          f"ranks: wall {r['wall_ms']:.2f} ms, device busy {r['busy_ms']:.2f} ms ({100 * r['busy_share']:.0f}%)")
+    print("| group | ms | share of busy |")
+    print("|---|---|---|")
+    for grp, t in sorted(r["groups_ms"].items(), key=lambda x: -x[1]):
+        print(f"| {grp} | {t:.3f} | {100 * t / max(r['busy_ms'], 1e-9):.1f}% |")
+    print("\n| ms | calls | group | kernel |")
+    print("|---|---|---|---|")
+    for row in r["top"][:15]:
+        print(f"| {row['ms']:.3f} | {row['calls']} | {row['group']} | {row['name']} |")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
