@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from ..kernels import merge_lse_
+from .memo import cached_method
 
 __all__ = ["Block", "band_block", "coalesce", "global_band"]
 
@@ -39,6 +40,7 @@ class Block:
         """All ``rows`` local query rows, as one slice (the first block may be copied, not merged)."""
         return self.q0 == 0 and self.q1 == rows
 
+    @cached_method
     def spec(self, base):
         return base.replace(causal=self.causal, window=self.window)
 

@@ -53,6 +53,7 @@ class VarlenCall:
         mark_valid(ck, mk)
         return cq, ck, mq, mk, qi, ki
 
+    @cached_method
     def spec(self, base, device):
         cu_q, cu_k, mq, mk, _, _ = self._meta(device)
         return base.replace(causal=self.causal, window=self.window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,

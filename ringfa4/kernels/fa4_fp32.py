@@ -1,0 +1,300 @@
+"""FlashAttention-4 forward with a float32 output, for ring attention's per-step merges.
+
+FA4 (flash-attn-4, pinned) writes ``out`` in q's dtype: each ring step's block output is rounded to
+bf16 before the steps are merged, which costs precision. This module runs FA4's own forward kernels,
+configured (not copied) so that ``out`` stays float32:
+
+* **sm100** (Blackwell): ``FlashAttentionForwardSm100`` takes O's dtype from the O tensor
+  (``self.o_dtype = mO.element_type``). It is built with ``is_split_kv=True`` and handed O as a 5-D
+  ``(1, b, s_q, h, d)`` float32 view and lse as ``(1, b, h, s_q)``: one split covering every key,
+  i.e. FA4's split-KV partial-output path, where fp32 sO overlaps Q's shared memory so the KV
+  pipeline keeps its stages. A split with no key (a whole query tile fully masked) writes
+  ``lse = -inf`` but leaves O untouched, so rows that see no key are zeroed here afterwards.
+* **sm90** (Hopper): ``_Sm90Fp32Out`` subclasses ``FlashAttentionForwardSm90``: ``_check_type``
+  accepts a float32 O, ``use_tma_O`` is pinned to False (no TMA store from the bf16 sO that reuses
+  Q's smem), and ``epilogue`` stores the normalized fp32 accumulator straight from registers to
+  global memory (row / head-dim predicated), plus the lse exactly as the base class does. No pack-GQA.
+
+Shapes and dtypes: dense ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (h % h_kv == 0)
+-> ``out (b, s_q, h, d)`` float32, ``lse (b, h, s_q)`` float32 (natural log). Causal is bottom-right
+aligned, windows are ``(left, right)`` (None = unbounded), softcap 0 = off; rows that see no key get
+``out = 0``, ``lse = -inf``, as in FA4. ``out`` / ``lse`` may be preallocated strided views with
+last-dim stride 1 (out: 16-byte aligned pointer and strides). Kernels compile on first use per
+:class:`Fp32Key` and are cached per process. The arch is FA4's choice (``FLASH_ATTENTION_ARCH`` or
+the device capability). Under ``FakeTensorMode`` (with ``FLASH_ATTENTION_ARCH`` / ``CUTE_DSL_ARCH``
+set) the kernels compile without a GPU and nothing runs: see :func:`compile_only`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Compiled", "Fp32Key", "compile_only", "fa4_forward_fp32"]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Fp32Key:
+    """Everything a compiled fp32-output forward is specialized on (window sizes, the softmax scale
+    and the sizes other than head_dim are runtime arguments)."""
+
+    arch: int  # FA4's arch number: 90, 100, ...
+    dtype: torch.dtype
+    head_dim: int
+    qhead_per_kvhead: int
+    causal: bool
+    local: bool
+    has_window_left: bool
+    has_window_right: bool
+    softcap: float | None  # compile-time constant of FA4's softcap score_mod
+    tile_m: int
+    tile_n: int
+    q_stage: int  # sm100: 2 query tiles per CTA when s_q > tile_m
+    mma_pv_is_rs: bool  # sm90 only
+    intra_wg_overlap: bool  # sm90 only
+    broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
+
+
+@functools.cache
+def _sm90_class() -> type:
+    """``FlashAttentionForwardSm90`` with an fp32-O epilogue (flash_attn imported lazily)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    from quack import layout_utils
+
+    class _Sm90Fp32Out(FlashAttentionForwardSm90):
+        # FlashAttentionForwardSm90.__call__ assigns use_tma_O = use_tma_Q; O never goes through TMA
+        # here (its sO is bf16 and reuses Q's smem, too small for fp32), so the assignment is ignored.
+        use_tma_O = property(lambda self: False, lambda self, value: None)
+
+        def _check_type(self, mQ_type, mK_type, mV_type, mO_type, *rest):
+            if const_expr(mO_type != Float32):
+                raise TypeError(f"O must be Float32, got {mO_type}")
+            super()._check_type(mQ_type, mK_type, mV_type, mQ_type, *rest)
+
+        @cute.jit
+        def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
+                     tidx, m_block, head_idx, batch_idx):
+            # acc_O is already normalized (softmax.finalize + rescale_O); lse holds the row lse.
+            # Nothing goes through smem, so no barrier is needed (the CTA runs a single tile).
+            assert not self.pack_gqa
+            thr_mma = tiled_mma.get_slice(tidx)
+            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))  # (rows, cols) of this thread
+            t0OcO = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(0).partition_C(cO))
+            # Rows are compared through thread 0's coordinates (compile-time) against a per-thread
+            # bound, as FA4 does.
+            rows_left = seqlen.seqlen_q - m_block * self.tile_m - tOcO[0][0]
+            if const_expr(mLSE is not None):  # one thread per row (the one holding column 0) writes
+                mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
+                gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
+                gLSE = cute.make_tensor(
+                    gLSE.iterator, cute.append(gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))))
+                tOgLSE = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE))
+                assert cute.size(tOgLSE, mode=[0]) == cute.size(lse)
+                if tOcO[0][1] == 0:
+                    for m in cutlass.range_constexpr(cute.size(tOgLSE, mode=[0])):
+                        if t0OcO[m, 0][0] < rows_left:
+                            tOgLSE[m, 0] = lse[m]
+            mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3)[None, None, head_idx]
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
+            tOgO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gO))
+            tOrO = layout_utils.reshape_acc_to_mn(acc_O)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
+                if t0OcO[m, 0][0] < rows_left:
+                    if const_expr(not self.check_hdim_v_oob):
+                        cute.autovec_copy(tOrO[m, None], tOgO[m, None])
+                    else:
+                        for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                            if tOcO[m, n][1] < mO.shape[1]:
+                                tOgO[m, n] = tOrO[m, n]
+
+    return _Sm90Fp32Out
+
+
+def _make_kernel(key: Fp32Key) -> Any:
+    from flash_attn.cute import utils
+    from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
+
+    score_mod = utils.create_softcap_scoremod(key.softcap) if key.softcap is not None else None
+    common = dict(qhead_per_kvhead=key.qhead_per_kvhead, is_causal=key.causal, is_local=key.local,
+                  pack_gqa=False, score_mod=score_mod)
+    if key.arch // 10 == 9:
+        from flash_attn.cute.interface import torch2cute_dtype_map
+        return _sm90_class()(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, tile_m=key.tile_m,
+                             tile_n=key.tile_n, num_stages=2, num_threads=384, Q_in_regs=False,
+                             intra_wg_overlap=key.intra_wg_overlap, mma_pv_is_rs=key.mma_pv_is_rs, **common)
+    return FlashAttentionForwardSm100(key.head_dim, key.head_dim, is_split_kv=True, m_block_size=key.tile_m,
+                                      n_block_size=key.tile_n, q_stage=key.q_stage, is_static_persistent=False,
+                                      use_2cta_instrs=False, use_clc_scheduler=False, use_s_ping_pong=False,
+                                      **common)
+
+
+def _kernel_args(arch: int, q, k, v, o, lse, scale, wl, wr, max_seqlen_q) -> list:
+    """The positional arguments after the kernel object, as FA4's interface passes them (dense, no
+    varlen / paged KV / sink / block sparsity / aux tensors; the env stream stays implicit)."""
+    from flash_attn.cute.utils import AuxData
+
+    args = [q, k, v, o, lse, scale, None, None, None, None, None, wl, wr, None]
+    if arch // 10 in (10, 11):
+        return args + [None, None, AuxData(None, None)] + [None] * 7 + [max_seqlen_q]
+    return args + [None, AuxData(None, None), None, None]
+
+
+class Compiled(NamedTuple):
+    """A cache entry: the FA4 kernel object (after compiling, e.g. ``kernel.o_dtype`` on sm100) and
+    the compiled function (``fn.__ptx__`` / ``fn.__cubin__`` with ``CUTE_DSL_KEEP=ptx,cubin``)."""
+
+    key: Fp32Key
+    kernel: Any
+    fn: Any
+
+
+_CACHE: dict[Fp32Key, Compiled] = {}
+
+
+def _compile(key: Fp32Key, q, k, v, o, lse, scale, wl, wr, max_seqlen_q) -> Compiled:
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    kernel = _make_kernel(key)
+    tq, tk, tv = (to_cute_tensor(t) for t in (q, k, v))
+    args = _kernel_args(key.arch, tq, tk, tv, to_cute_tensor(o, assumed_align=16),
+                        to_cute_tensor(lse, assumed_align=4), scale, wl, wr, max_seqlen_q)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return Compiled(key, kernel, cute.compile(kernel, *args, stream, options="--enable-tvm-ffi"))
+
+
+def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], q: torch.Tensor, align: int) -> None:
+    from flash_attn.cute.cute_dsl_utils import validate_output_layout
+
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != q.device:
+        raise ValueError(f"{name} must be {shape} float32 on {q.device}, got {tuple(t.shape)} {t.dtype} "
+                         f"on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have last-dim stride 1, got strides {t.stride()}")
+    try:
+        validate_output_layout(t, name, align_bytes=align)
+    except AssertionError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _empty_rows(s_q: int, s_k: int, causal: bool, wl: int | None, wr: int | None) -> list[tuple[int, int]]:
+    """Query-row ranges that see no key (FA4's bottom-right alignment: row i sees keys
+    ``i + s_k - s_q - wl .. i + s_k - s_q + wr``)."""
+    if causal:
+        wr = 0
+    if wl is not None and wr is not None and wl + wr < 0:
+        return [(0, s_q)]
+    spans = []
+    if wr is not None and s_q - s_k - wr > 0:
+        spans.append((0, min(s_q, s_q - s_k - wr)))
+    if wl is not None and s_q + wl < s_q:
+        spans.append((max(0, s_q + wl), s_q))
+    return spans
+
+
+@torch.compiler.disable
+def fa4_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                     window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 -> ``out (b, s_q, h, d)`` float32,
+    ``lse (b, h, s_q)`` float32, through FA4's sm90 / sm100 forward kernels (see the module doc).
+    ``out`` / ``lse``: optional preallocated (strided, last-dim stride 1) float32 outputs."""
+    out, lse, _ = _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, None)
+    return out, lse
+
+
+def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
+    """fa4_forward_fp32, also returning the cache key (None when nothing ran)."""
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"need q (b, s_q, h, d), k = v (b, s_k, h_kv, d), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    b, s_q, h, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"h={h} must be a multiple of h_kv={h_kv}")
+    wl, wr = window
+    if any(w is not None and w < 0 for w in (wl, wr)):
+        raise ValueError(f"window sizes must be None (unbounded) or >= 0, got {window}")
+
+    from flash_attn.cute import interface
+    from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous
+    from flash_attn.cute.testing import is_fake_mode
+
+    arch = interface._get_device_arch() if arch is None else arch
+    if arch // 10 not in (9, 10, 11):
+        raise NotImplementedError(f"the fp32-output FA4 forward runs on sm90 / sm100 only, got sm{arch}")
+    try:
+        interface._validate_head_dims(d, d, arch // 10, 16 // q.element_size())
+    except AssertionError as exc:
+        raise ValueError(str(exc)) from exc
+    if out is None:
+        out = torch.empty(b, s_q, h, d, dtype=torch.float32, device=q.device)
+    else:
+        _check_out(out, "out", (b, s_q, h, d), q, 16)
+    if lse is None:
+        lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
+    else:
+        _check_out(lse, "lse", (b, h, s_q), q, 4)
+    if s_q == 0 or b == 0:
+        return out, lse, None
+    if s_k == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse, None
+    q, k, v = (maybe_contiguous(t) for t in (q, k, v))
+    causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
+    cfg = interface._get_fwd_config(
+        arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=s_q, max_seqlen_k=s_k, num_head_kv=h_kv,
+        qhead_per_kvhead=h // h_kv, pack_gqa=False, batch_size=b, causal=causal, local=local,
+        window_size_left=wl, window_size_right=wr, num_splits=1, device=q.device)
+    key = Fp32Key(arch=arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal, local=local,
+                  has_window_left=wl is not None, has_window_right=wr is not None,
+                  softcap=float(softcap) if softcap else None, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
+                  q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
+                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)))
+    split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
+    o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
+    if key not in _CACHE:
+        _CACHE[key] = _compile(key, q, k, v, o_k, lse_k, softmax_scale, wl, wr, s_q)
+    if not is_fake_mode():
+        _CACHE[key].fn(*_kernel_args(arch, q.detach(), k.detach(), v.detach(), o_k.detach(), lse_k.detach(),
+                                     softmax_scale, wl, wr, s_q))
+        if split:  # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
+            for lo, hi in _empty_rows(s_q, s_k, causal, wl, wr):
+                out[:, lo:hi].zero_()
+    return out, lse, key
+
+
+def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,
+                 *, window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0,
+                 shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4)) -> Compiled:
+    """Compile (without running) the fp32-output forward for ``arch`` ('sm_90a', 'sm_100a', 90, 100)
+    on fake CUDA tensors of ``shape = (b, s_q, s_k, h, h_kv)``; returns the cache entry.
+
+    Needs no GPU, but the process must target that arch before cutlass is first imported
+    (``CUTE_DSL_ARCH=sm_90a`` / ``sm_100a``; FA4 also reads ``FLASH_ATTENTION_ARCH``), and CUDA
+    must not be asked for the current device (fake CUDA tensors on a CPU-only torch).
+    """
+    from flash_attn.cute.interface import _parse_arch_str
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
+    b, s_q, s_k, h, h_kv = shape
+    with FakeTensorMode():
+        q = torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda")
+        kv = torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda")
+        _, _, key = _forward(q, kv, kv, causal, head_dim ** -0.5, window, softcap, None, None, arch_num)
+    return _CACHE[key]
