@@ -145,9 +145,10 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
             k_t, v_t = bufs.view(cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
+            rows = _rows(run, r, qs[i])
             for blk in run.schedule.blocks(r, t):
                 o, l = blk.forward(run.backend, qs[i], k_t, v_t, run.spec, *merge.target(i))
-                merge.add(i, blk, o, l, _rows(run, r, qs[i]))
+                merge.add(i, blk, o, l, rows)
         if handle is not None:
             run.transport.wait(handle)
             cur, nxt = nxt, cur

@@ -110,6 +110,7 @@ class Packing:
                     local += size
         return tuple(out)
 
+    @cached_method
     def rows(self, rank: int) -> int:
         return sum(s.length for s in self.segments(rank))
 
