@@ -6,23 +6,21 @@ argument checks and its choice of kernel (vector width, refusals) need no GPU. G
 kernel equals ``merge_lse_torch_`` (max abs diff < 1e-5, no NaN) and is as close to a float64 merge.
 """
 
-import importlib.util
-import json
 import math
 import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import cute_compile
 import pytest
 import torch
 
 from ringfa4.kernels.cute_merge import MergeKey, merge_lse_cute_, plan_merge
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = ("sm_90a", "sm_100a")
+ARCHS = cute_compile.ARCHS
 # (block dtype, d, vec): the three block dtypes, a head dim that is not a power of two, the scalar path
 COMPILE_CASES = [("bfloat16", 128, 8), ("float16", 128, 8), ("float32", 128, 4), ("bfloat16", 80, 8),
                  ("float32", 67, 1)]
@@ -33,64 +31,24 @@ def _compile_all(arch: str, dump_dir: str) -> list[dict]:
     """Subprocess side: compile every case for ``arch`` (CUTE_DSL_ARCH is set), keeping PTX / cubin."""
     from ringfa4.kernels.cute_merge import compile_merge_kernel
 
-    results = []
-    for blk, d, vec in COMPILE_CASES:
-        t0 = time.perf_counter()
-        fn = compile_merge_kernel(MergeKey(blk, d, vec, arch), dump_dir=dump_dir)
-        assert fn is not None
-        results.append(dict(case=f"{blk}_d{d}_v{vec}", seconds=round(time.perf_counter() - t0, 2)))
-    for blk, d, vec in [("bfloat16", 100, 8), ("bfloat16", 128, 16), ("float32", 96, 3)]:  # not kernels
-        bad = MergeKey(blk, d, vec, arch)
-        try:
-            compile_merge_kernel(bad)
-        except ValueError:
-            continue
-        raise AssertionError(f"{bad} compiled")
-    return results
+    bad = [("bfloat16", 100, 8), ("bfloat16", 128, 16), ("float32", 96, 3)]  # not kernels: ValueError
+    return cute_compile.compile_cases(compile_merge_kernel, MergeKey, COMPILE_CASES, bad, arch, dump_dir)
 
 
 @pytest.fixture(scope="module")
 def compile_runs(tmp_path_factory):
-    if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("tvm_ffi") is None:
-        pytest.skip("needs nvidia-cutlass-dsl (pip install 'ringfa4[gpu]')")
-    tmp = tmp_path_factory.mktemp("cute_merge_compile")
-    runs = {}
-    for arch in ARCHS:
-        dump, result, log = tmp / f"dump_{arch}", tmp / f"result_{arch}.json", tmp / f"log_{arch}.txt"
-        dump.mkdir()
-        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, __file__, arch, str(dump), str(result)], cwd=ROOT, env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT)
-        runs[arch] = (proc, dump, result, log)
+    runs = cute_compile.spawn(__file__, tmp_path_factory.mktemp("cute_merge_compile"))
     yield runs
-    for proc, *_ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    cute_compile.stop(runs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cute_merge_compiles(compile_runs, arch):
-    proc, dump, result, log = compile_runs[arch]
-    try:
-        proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{arch}: compiling timed out\n{log.read_text()[-4000:]}")
-    assert proc.returncode == 0, f"{arch}: compile subprocess failed\n{log.read_text()[-6000:]}"
-    results = json.loads(result.read_text())
+    names = [f"RingMergeLse_{KERNEL_NAME[blk]}_d{d}_v{vec}_" for blk, d, vec in COMPILE_CASES]
+    results, texts = cute_compile.finished_ptx(compile_runs, arch, names)
     assert len(results) == len(COMPILE_CASES)
-    files = os.listdir(dump)
-    for blk, d, vec in COMPILE_CASES:
-        name = f"RingMergeLse_{KERNEL_NAME[blk]}_d{d}_v{vec}_"
-        ptx = [f for f in files if name in f and f.endswith(f".{arch}.ptx")]
-        cubin = [f for f in files if name in f and f.endswith(f".{arch}.cubin")]
-        assert len(ptx) == 1 and len(cubin) == 1, f"{name}: no PTX/cubin for {arch} in {sorted(files)}"
-        text = (dump / ptx[0]).read_text(errors="replace")
-        assert f".target {arch}" in text and f".entry kernel_cutlass_kernel_{name}" in text, ptx[0]
+    for (_, _, vec), name in zip(COMPILE_CASES, names):
+        text = texts[name]
         assert "ex2.approx" in text and "bar.sync" in text
         if vec * 32 >= 128:  # the fp32 accumulator moves in 128-bit vectors (sm_100 packs f32 pairs: v2.b64)
             for op in ("ld", "st"):
@@ -339,8 +297,4 @@ def test_gpu_runs_on_current_stream_and_reuses_kernels():
 
 
 if __name__ == "__main__":  # subprocess entry: python test_cute_merge.py ARCH DUMP_DIR RESULT_JSON
-    _arch, _dump, _result = sys.argv[1:4]
-    _t0 = time.perf_counter()
-    _res = _compile_all(_arch, _dump)
-    Path(_result).write_text(json.dumps(_res))
-    print(f"{_arch}: {len(_res)} kernels in {time.perf_counter() - _t0:.1f}s")
+    cute_compile.compile_main(_compile_all)

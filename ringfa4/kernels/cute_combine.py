@@ -36,13 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .cute_merge import _align_bytes, _device_arch, cute_merge_available
+from .cute_common import DTYPE_NAMES, align_bytes, cute_available, device_arch, pick_vec
 
 __all__ = ["CombineKey", "combine_lse_", "combine_lse_cute_", "combine_lse_torch_", "compile_combine_kernel",
            "plan_combine"]
 
-_PART_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_WIDTH = {"bfloat16": 16, "float16": 16, "float32": 32}
 _THREADS = 256  # threads per CTA before rounding down to whole rows
 _IN_FLIGHT = 4  # slots whose loads a thread issues before it accumulates them
 
@@ -167,7 +165,7 @@ def compile_combine_kernel(key: CombineKey, dump_dir: str | None = None):
     def out_t(dtype, lead):
         strides = tuple(cute.sym_int64(divisibility=key.vec) for _ in lead) + (1,)
         return cute.runtime.make_fake_tensor(dtype, (*lead, key.d), strides,
-                                             assumed_align=_align_bytes(dtype.width, key.vec))
+                                             assumed_align=align_bytes(dtype.width, key.vec))
 
     def lse_t(lead):
         return cute.runtime.make_fake_tensor(cutlass.Float32, lead, tuple(cute.sym_int64() for _ in lead),
@@ -214,11 +212,6 @@ def _as4(out_acc, lse_acc, parts, lse_parts):
     return out_acc.unsqueeze(0), lse_acc.unsqueeze(0), parts.unsqueeze(1), lse_parts.unsqueeze(1)
 
 
-def _fits(t: torch.Tensor, vec: int) -> bool:
-    """Every row of ``t`` starts on a ``vec``-element vector boundary."""
-    return all(t.stride(i) % vec == 0 for i in range(t.dim() - 1)) and t.data_ptr() % _align_bytes(
-        8 * t.element_size(), vec) == 0
-
 
 def plan_combine(out_acc, lse_acc, parts, lse_parts, arch: str) -> CombineKey | None:
     """The kernel for these tensors (any device), or None where the kernel cannot do them.
@@ -226,18 +219,14 @@ def plan_combine(out_acc, lse_acc, parts, lse_parts, arch: str) -> CombineKey | 
     _check(out_acc, lse_acc, parts, lse_parts, 0)
     if any(t.dtype != torch.float32 for t in (out_acc, lse_acc, lse_parts)):
         return None
-    if parts.dtype not in _PART_DTYPES or out_acc.stride(-1) != 1 or parts.stride(-1) != 1:
+    if parts.dtype not in DTYPE_NAMES or out_acc.stride(-1) != 1 or parts.stride(-1) != 1:
         return None
     o, l, p, _ = _as4(out_acc, lse_acc, parts, lse_parts)
     if any(st == 0 and size > 1 for t in (o, l) for st, size in zip(t.stride(), t.shape)):
         return None  # overlapping writes
-    part, d = _PART_DTYPES[parts.dtype], o.shape[-1]
-    if d == 0:
-        return None
-    vec = 128 // _WIDTH[part]  # widest first: one 128-bit load of a part row per thread
-    while vec > 1 and not (d % vec == 0 and _fits(o, vec) and _fits(p, vec)):
-        vec //= 2
-    if d // vec > 1024:
+    part, d = DTYPE_NAMES[parts.dtype], o.shape[-1]
+    vec = pick_vec(d, part, (o, p))
+    if vec is None:
         return None
     return CombineKey(part, d, vec, arch)
 
@@ -250,9 +239,9 @@ def combine_lse_cute_(out_acc: torch.Tensor, lse_acc: torch.Tensor, parts: torch
     raises ValueError on mismatched shapes or n outside 0..N."""
     n = _check(out_acc, lse_acc, parts, lse_parts, n)
     tensors = (out_acc, lse_acc, parts, lse_parts)
-    if not all(t.is_cuda and t.device == out_acc.device for t in tensors) or not cute_merge_available():
+    if not all(t.is_cuda and t.device == out_acc.device for t in tensors) or not cute_available():
         return False
-    arch = _device_arch(out_acc.device.index or 0)
+    arch = device_arch(out_acc.device.index or 0)
     key = None if arch is None else plan_combine(*tensors, arch=arch)
     if key is None:
         return False

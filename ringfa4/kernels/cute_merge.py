@@ -29,22 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .cute_common import DTYPE_NAMES, align_bytes, cute_available, device_arch, pick_vec
+
 __all__ = ["MergeKey", "compile_merge_kernel", "cute_merge_available", "merge_lse_cute_", "plan_merge"]
 
-_BLK_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_WIDTH = {"bfloat16": 16, "float16": 16, "float32": 32}
+cute_merge_available = cute_available
+
 _THREADS = 256  # threads per CTA before rounding down to whole rows
 
-
-@functools.cache
-def cute_merge_available() -> bool:
-    """Whether nvidia-cutlass-dsl (and the TVM FFI that calls its kernels) imports."""
-    try:
-        import cutlass.cute  # noqa: F401
-        import tvm_ffi  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -150,7 +142,7 @@ def compile_merge_kernel(key: MergeKey, dump_dir: str | None = None):
     def out_t(dtype):
         strides = tuple(cute.sym_int64(divisibility=key.vec) for _ in range(3)) + (1,)
         return cute.runtime.make_fake_tensor(dtype, (b, s, h, key.d), strides,
-                                             assumed_align=_align_bytes(dtype.width, key.vec))
+                                             assumed_align=align_bytes(dtype.width, key.vec))
 
     def lse_t():
         return cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, s), tuple(cute.sym_int64() for _ in range(3)),
@@ -166,10 +158,6 @@ def compile_merge_kernel(key: MergeKey, dump_dir: str | None = None):
 
 _compiled = functools.cache(compile_merge_kernel)
 
-
-def _align_bytes(width: int, vec: int) -> int:
-    """Alignment (bytes) the kernel assumes of an out tensor's base: one 128-bit copy at most."""
-    return min(16, vec * width // 8)
 
 
 def _as4(out: torch.Tensor, lse: torch.Tensor):
@@ -187,17 +175,6 @@ def _check(out_acc, lse_acc, out_blk, lse_blk) -> None:
             raise ValueError(f"{name} must have shape {expected} (…, h, s), got {tuple(t.shape)}")
 
 
-@functools.cache
-def _device_arch(index: int) -> str | None:
-    """The compile target of a GPU (arch-specific "a" variants from Hopper on); None before Ampere."""
-    major, minor = torch.cuda.get_device_capability(index)
-    return None if major < 8 else f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-
-def _fits(t: torch.Tensor, vec: int) -> bool:
-    """Every row of ``t`` starts on a ``vec``-element vector boundary."""
-    return all(t.stride(i) % vec == 0 for i in range(3)) and t.data_ptr() % _align_bytes(
-        8 * t.element_size(), vec) == 0
 
 
 def plan_merge(out_acc, lse_acc, out_blk, lse_blk, arch: str) -> MergeKey | None:
@@ -206,19 +183,15 @@ def plan_merge(out_acc, lse_acc, out_blk, lse_blk, arch: str) -> MergeKey | None
     _check(out_acc, lse_acc, out_blk, lse_blk)
     if out_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32 or lse_blk.dtype != torch.float32:
         return None
-    if out_blk.dtype not in _BLK_DTYPES or out_acc.stride(-1) != 1 or out_blk.stride(-1) != 1:
+    if out_blk.dtype not in DTYPE_NAMES or out_acc.stride(-1) != 1 or out_blk.stride(-1) != 1:
         return None
     o, l = _as4(out_acc, lse_acc)
     ob = _as4(out_blk, lse_blk)[0]
     if any(st == 0 and n > 1 for t in (o, l) for st, n in zip(t.stride(), t.shape)):
         return None  # overlapping writes
-    blk, d = _BLK_DTYPES[out_blk.dtype], o.shape[-1]
-    if d == 0:
-        return None
-    vec = 128 // _WIDTH[blk]  # widest first: one 128-bit load of out_blk per thread
-    while vec > 1 and not (d % vec == 0 and _fits(o, vec) and _fits(ob, vec)):
-        vec //= 2
-    if d // vec > 1024:
+    blk, d = DTYPE_NAMES[out_blk.dtype], o.shape[-1]
+    vec = pick_vec(d, blk, (o, ob))
+    if vec is None:
         return None
     return MergeKey(blk, d, vec, arch)
 
@@ -231,9 +204,9 @@ def merge_lse_cute_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch
     ValueError on mismatched shapes."""
     _check(out_acc, lse_acc, out_blk, lse_blk)
     tensors = (out_acc, lse_acc, out_blk, lse_blk)
-    if not all(t.is_cuda and t.device == out_acc.device for t in tensors) or not cute_merge_available():
+    if not all(t.is_cuda and t.device == out_acc.device for t in tensors) or not cute_available():
         return False
-    arch = _device_arch(out_acc.device.index or 0)
+    arch = device_arch(out_acc.device.index or 0)
     key = None if arch is None else plan_merge(*tensors, arch=arch)
     if key is None:
         return False
