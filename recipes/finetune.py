@@ -184,8 +184,18 @@ def _lr_lambda(cfg):
     return f
 
 
-def _flops_per_token(config, seq_len: int) -> float:
-    """torchtitan's convention: 6 N (non-embedding) + 12 L H Q T (attention, causal not discounted)."""
+def _attention_length(position_ids: torch.Tensor) -> float:
+    """Token-weighted mean document length, sum(len^2) / sum(len), of a packed row: the T of the
+    attention term for packed documents (each token attends within its own document only)."""
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == 0).flatten().tolist() + [pos.numel()]
+    lens = [b - a for a, b in zip(starts, starts[1:]) if b > a] or [pos.numel()]
+    return sum(n * n for n in lens) / max(1, sum(lens))
+
+
+def _flops_per_token(config, seq_len: float) -> float:
+    """torchtitan's convention: 6 N (non-embedding) + 12 L H Q T (attention, causal not discounted);
+    for packed documents T is the token-weighted mean document length."""
     h, layers = config.hidden_size, config.num_hidden_layers
     inter, heads = config.intermediate_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", heads)
@@ -290,8 +300,10 @@ def run(cfg: dict) -> list[dict]:
     for step in range(start, end):
         t0 = time.perf_counter()
         logged_total = 0.0
+        attn_len = 0.0
         for _ in range(t["grad_accum"]):
             batch = stream.next_batch()
+            attn_len += _attention_length(batch["position_ids"]) / t["grad_accum"]
             shard = rhf.shard_batch({k: v.to(device) for k, v in batch.items()}, cp)
             count = torch.tensor([shard.num_targets], device=device)
             dist.all_reduce(count, group=dp_group)  # the global count over the dp batch
@@ -316,7 +328,8 @@ def run(cfg: dict) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": logged_total, "grad_norm": gnorm, "lr": sched.get_last_lr()[0],
-               "tokens_per_s_per_device": t["seq_len"] * t["grad_accum"] * p["dp"] / dt / world}
+               "tokens_per_s_per_device": t["seq_len"] * t["grad_accum"] * p["dp"] / dt / world,
+               "attention_length": attn_len}
         ckpt = getattr(model, "ringfa4_checkpointing", None)
         if ckpt is not None and step == start:
             row["checkpointing"] = ckpt.describe()
@@ -357,7 +370,7 @@ class _Logger:
     def __init__(self, cfg, rank, config):
         self.on = rank == 0
         self.cfg = cfg
-        self.flops = _flops_per_token(config, cfg["train"]["seq_len"])
+        self.config = config
         self.bar = self.wandb = None
         if self.on and cfg["log"]["progress"]:
             from tqdm import tqdm
@@ -389,7 +402,8 @@ class _Logger:
     def step(self, row):
         if not self.on:
             return
-        row["tflops_per_device"] = row["tokens_per_s_per_device"] * self.flops / 1e12
+        flops = _flops_per_token(self.config, row.get("attention_length") or self.cfg["train"]["seq_len"])
+        row["tflops_per_device"] = row["tokens_per_s_per_device"] * flops / 1e12
         mfu = row["tflops_per_device"] / self.cfg["log"]["peak_tflops"]
         row["mfu"] = mfu
         if torch.cuda.is_available():

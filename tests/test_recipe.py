@@ -129,3 +129,14 @@ def test_memory_tools_leave_losses_unchanged(pools):
     assert "0 on GPU, 1 on host, 1 rebuilt (group 2), attention outputs cached" in plan, plan
     for (l0, g0), (l1, g1) in zip(plain, got):
         assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (plain, got)
+
+
+def test_attention_length_of_packed_rows():
+    """MFU's attention term uses sum(len^2) / sum(len) of the packed documents, not seq_len."""
+    import torch
+
+    assert finetune._attention_length(torch.tensor([[0, 1, 2, 3, 0, 1]])) == (16 + 4) / 6
+    assert finetune._attention_length(torch.arange(8)[None]) == 8
+    full, packed = (finetune._flops_per_token(finetune.build_model(finetune.load_config(None, []))[0].config, t)
+                    for t in (256, 16))
+    assert packed < full
