@@ -167,3 +167,35 @@ def test_host_offload_same_gradients_less_gpu_memory():
     for n in g_gpu:  # same kernels (FA4's dq uses atomics: equal up to summation order)
         diff = (g_gpu[n] - g_host[n]).norm() / g_gpu[n].norm().clamp_min(1e-30)
         assert diff < 1e-2, (n, diff.item())
+
+
+def test_unpack_hooks_are_idempotent():
+    """torch may unpack one saved input more than once (seen on the H200 with torch 2.11 for a group
+    head): every placement's unpack returns the same tensor again, and a group rebuild runs once."""
+    from ringfa4.memory import LayerCheckpointing
+
+    calls = []
+
+    def layer_fn(x):
+        calls.append(1)
+        return x * 2
+
+    layers = [torch.nn.Identity() for _ in range(3)]
+    ckpt = LayerCheckpointing(layers, plan=OffloadPlan(("host", "rebuild", "rebuild"), group=3))
+    x = torch.randn(4, 5)
+    ckpt._fns = {0: layer_fn, 1: layer_fn, 2: layer_fn}
+    head_pack, head_unpack = ckpt._head_hooks(0, "host")
+    held = head_pack(x)
+    packs = {i: ckpt._rebuild_hooks(i, 0) for i in (1, 2)}
+    saved = {i: packs[i][0](x) for i in (1, 2)}
+    a = packs[2][1](saved[2])
+    assert torch.equal(a, x * 4) and len(calls) == 2  # inputs of layers 1 and 2 rebuilt once
+    assert packs[2][1](saved[2]) is a and len(calls) == 2
+    b = packs[1][1](saved[1])
+    assert torch.equal(b, x * 2) and packs[1][1](saved[1]) is b and len(calls) == 2
+    h = head_unpack(held)
+    assert torch.equal(h, x) and head_unpack(held) is h
+    host_pack, host_unpack = ckpt._host_hooks(0)
+    held = host_pack(x)
+    first = host_unpack(held)
+    assert torch.equal(first, x) and host_unpack(held) is first
