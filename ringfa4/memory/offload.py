@@ -17,7 +17,8 @@ bf16 that is 8 GiB a layer, 256 GiB for 32 layers. :func:`plan_offload` places e
 Uses ``torch.utils.checkpoint(use_reentrant=False)`` with saved-tensor hooks around it: those hooks
 see exactly the checkpoint's saved inputs. With an :class:`~ringfa4.kernels.output_cache.OutputCache`
 the recompute reuses the forward's attention outputs. Layers must be dropout-free (rebuilds do not
-replay RNG state).
+replay RNG state), and each forward must be followed by its backward before the next forward
+starts (the usual training step; layer 0's forward begins a new step).
 """
 
 from __future__ import annotations
@@ -163,11 +164,12 @@ class LayerCheckpointing:
         place, head = plan.places[i], plan.head(i)
         self._fns[i] = fn
         calls = {"n": 0}
+        cache = self.cache if torch.is_grad_enabled() else None  # no backward, no recompute to serve
 
         def body(*a):  # first call: the forward (record outputs); later: the recompute (take them)
             phase = "record" if calls["n"] == 0 else "take"
             calls["n"] += 1
-            with cache_phase(self.cache, i, phase):
+            with cache_phase(cache, i, phase):
                 return fn(*a)
 
         hooks = {"gpu": self._gpu_hooks(i), "host": self._host_hooks(i), "rebuild": self._rebuild_hooks(i, head)}[place]
