@@ -17,7 +17,7 @@ configured (not copied) so that ``out`` stays float32:
 
 Shapes and dtypes: dense ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (h % h_kv == 0)
 -> ``out (b, s_q, h, d)`` float32, ``lse (b, h, s_q)`` float32 (natural log). Causal is bottom-right
-aligned, windows are ``(left, right)`` (None = unbounded), softcap 0 = off; rows that see no key get
+aligned, windows are ``(left, right)`` (None or -1 = unbounded), softcap 0 = off; rows that see no key get
 ``out = 0``, ``lse = -inf``, as in FA4. ``out`` / ``lse`` may be preallocated strided views with
 last-dim stride 1 (out: 16-byte aligned pointer and strides). Kernels compile on first use per
 :class:`Fp32Key` and are cached per process. The arch is FA4's choice (``FLASH_ATTENTION_ARCH`` or
@@ -188,18 +188,13 @@ def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], q: torch.Tens
 
 
 def _empty_rows(s_q: int, s_k: int, causal: bool, wl: int | None, wr: int | None) -> list[tuple[int, int]]:
-    """Query-row ranges that see no key (FA4's bottom-right alignment: row i sees keys
-    ``i + s_k - s_q - wl .. i + s_k - s_q + wr``)."""
-    if causal:
-        wr = 0
-    if wl is not None and wr is not None and wl + wr < 0:
-        return [(0, s_q)]
-    spans = []
-    if wr is not None and s_q - s_k - wr > 0:
-        spans.append((0, min(s_q, s_q - s_k - wr)))
-    if wl is not None and s_q + wl < s_q:
-        spans.append((max(0, s_q + wl), s_q))
-    return spans
+    """Query-row ranges that see no key. FA4 aligns masks bottom-right: row i sees keys
+    ``i + s_k - s_q - wl .. i + s_k - s_q + wr`` (causal: wr = 0). With windows >= 0 the left end
+    never passes the last key, so only the first ``s_q - s_k - wr`` rows can be empty."""
+    wr = 0 if causal else wr
+    if wr is None or s_q - s_k - wr <= 0:
+        return []
+    return [(0, min(s_q, s_q - s_k - wr))]
 
 
 @torch.compiler.disable
@@ -225,9 +220,9 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
     s_k, h_kv = k.shape[1], k.shape[2]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"h={h} must be a multiple of h_kv={h_kv}")
-    wl, wr = window
+    wl, wr = (None if w == -1 else w for w in window)  # -1: FlashAttention's "unbounded"
     if any(w is not None and w < 0 for w in (wl, wr)):
-        raise ValueError(f"window sizes must be None (unbounded) or >= 0, got {window}")
+        raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}")
 
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous
