@@ -47,6 +47,35 @@ def compile_main(compile_all) -> None:
     print(f"{arch}: {len(res)} kernels in {time.perf_counter() - t0:.1f}s")
 
 
+def start(test_file: str, args: list[str], env_extra: dict, log: Path) -> subprocess.Popen:
+    """``python test_file *args`` from the repo root with ``env_extra``, no GPU, output to ``log``
+    (a file, not a pipe: a run nobody waits on yet never blocks)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **env_extra,
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    with open(log, "w") as sink:
+        return subprocess.Popen([sys.executable, test_file, *args], cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT)
+
+
+def wait_ok(proc: subprocess.Popen, log: Path, arch: str, timeout: float = 240) -> None:
+    """Wait for a compile subprocess; fail the test with its log when it times out or fails."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"{arch}: compiling timed out\n{log.read_text()[-4000:]}")
+    assert proc.returncode == 0, f"{arch}: compile subprocess failed\n{log.read_text()[-6000:]}"
+
+
+def stop(procs) -> None:
+    """Kill what is still running (fixture teardown); ``procs`` are Popen objects."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def spawn(test_file: str, tmp: Path) -> dict:
     """Start the per-arch compile subprocesses of ``test_file``; skips without nvidia-cutlass-dsl."""
     if importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("tvm_ffi") is None:
@@ -55,33 +84,16 @@ def spawn(test_file: str, tmp: Path) -> dict:
     for arch in ARCHS:
         dump, result, log = tmp / f"dump_{arch}", tmp / f"result_{arch}.json", tmp / f"log_{arch}.txt"
         dump.mkdir()
-        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, test_file, arch, str(dump), str(result)], cwd=ROOT, env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT)
-        runs[arch] = (proc, dump, result, log)
+        runs[arch] = (start(test_file, [arch, str(dump), str(result)], {"CUTE_DSL_ARCH": arch}, log), dump, result,
+                      log)
     return runs
-
-
-def stop(runs: dict) -> None:
-    for proc, *_ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def finished_ptx(runs: dict, arch: str, names: list[str]) -> tuple[list[dict], dict[str, str]]:
     """Wait for ``arch``'s subprocess; (its timing results, {kernel name: PTX text}), each name
     having exactly one PTX and one cubin for the arch, its entry and ``.target``."""
     proc, dump, result, log = runs[arch]
-    try:
-        proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{arch}: compiling timed out\n{log.read_text()[-4000:]}")
-    assert proc.returncode == 0, f"{arch}: compile subprocess failed\n{log.read_text()[-6000:]}"
+    wait_ok(proc, log, arch)
     results = json.loads(result.read_text())
     files = os.listdir(dump)
     texts = {}

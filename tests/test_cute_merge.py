@@ -39,7 +39,7 @@ def _compile_all(arch: str, dump_dir: str) -> list[dict]:
 def compile_runs(tmp_path_factory):
     runs = cute_compile.spawn(__file__, tmp_path_factory.mktemp("cute_merge_compile"))
     yield runs
-    cute_compile.stop(runs)
+    cute_compile.stop(r[0] for r in runs.values())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import cute_compile
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,16 +165,11 @@ def _start(arch: str, tmp: Path) -> tuple[subprocess.Popen, Path, Path]:
     fa_arch, num_sms = ARCHS[arch]
     dump = tmp / f"dump_{arch}"
     dump.mkdir()
-    result = tmp / f"result_{arch}.json"
-    env = dict(os.environ, FLASH_ATTENTION_ARCH=fa_arch, CUTE_DSL_ARCH=arch, FLASH_ATTENTION_NUM_SMS=num_sms,
+    result, log = tmp / f"result_{arch}.json", tmp / f"log_{arch}.txt"
+    env = dict(FLASH_ATTENTION_ARCH=fa_arch, CUTE_DSL_ARCH=arch, FLASH_ATTENTION_NUM_SMS=num_sms,
                FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP_CUBIN="1",
-               CUTE_DSL_DUMP_DIR=str(dump), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    log = tmp / f"log_{arch}.txt"
-    with open(log, "w") as sink:  # a file, not a pipe: the run that is not being waited on never blocks
-        proc = subprocess.Popen([sys.executable, __file__, arch, str(dump), str(result)], cwd=ROOT, env=env,
-                                stdout=sink, stderr=subprocess.STDOUT)
-    return proc, result, log
+               CUTE_DSL_DUMP_DIR=str(dump))
+    return cute_compile.start(__file__, [arch, str(dump), str(result)], env, log), result, log
 
 
 @pytest.fixture(scope="module")
@@ -186,22 +182,13 @@ def compile_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fa4_compile")
     runs = {arch: _start(arch, tmp) for arch in ARCHS}
     yield runs
-    for proc, _, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    cute_compile.stop(r[0] for r in runs.values())
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_fa4_patterns_compile(compile_runs, arch):
     proc, result, log = compile_runs[arch]
-    try:
-        proc.wait(timeout=280)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{arch}: compiling timed out\n{log.read_text()[-4000:]}")
-    assert proc.returncode == 0, f"{arch}: compile subprocess failed\n{log.read_text()[-6000:]}"
+    cute_compile.wait_ok(proc, log, arch, timeout=280)
     results = json.loads(result.read_text())
     assert [r["name"] for r in results] == [p[0] for p in PATTERNS]
     print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['fwd_s']}+{r['bwd_s']}s" for r in results))

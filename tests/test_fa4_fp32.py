@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import cute_compile
 import pytest
 import torch
 
@@ -77,30 +78,17 @@ def compile_runs(tmp_path_factory):
         result, log = tmp / f"result_{arch}.json", tmp / f"log_{arch}.txt"
         dump = tmp / f"dump_{arch}"
         dump.mkdir()
-        env = dict(os.environ, FLASH_ATTENTION_ARCH=fa_arch, CUTE_DSL_ARCH=arch, CUDA_VISIBLE_DEVICES="",
-                   FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump),
-                   PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        with open(log, "w") as sink:
-            proc = subprocess.Popen([sys.executable, __file__, arch, str(result)], cwd=ROOT, env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT)
-        runs[arch] = (proc, result, log)
+        env = dict(FLASH_ATTENTION_ARCH=fa_arch, CUTE_DSL_ARCH=arch, FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0",
+                   CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
+        runs[arch] = (cute_compile.start(__file__, [arch, str(result)], env, log), result, log)
     yield runs
-    for proc, _, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    cute_compile.stop(r[0] for r in runs.values())
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_fp32_forward_compiles(compile_runs, arch):
     proc, result, log = compile_runs[arch]
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{arch}: compiling timed out\n{log.read_text()[-4000:]}")
-    assert proc.returncode == 0, f"{arch}: compile subprocess failed\n{log.read_text()[-6000:]}"
+    cute_compile.wait_ok(proc, log, arch, timeout=120)
     results = json.loads(result.read_text())
     assert [r["name"] for r in results] == [c[0] for c in CASES]
     print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
