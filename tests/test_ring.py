@@ -254,3 +254,25 @@ def test_ring_slots_env_is_checked(monkeypatch):
     q, k, v, _ = random_qkv(1, 8, 8, 2, 2, 8)
     with pytest.raises(ValueError, match="RINGFA4_RING_SLOTS"):
         ringfa4.attention(q, k, v, cp=cp)
+
+
+@pytest.mark.parametrize("P", [4, 16])
+@pytest.mark.parametrize("slots", [0, 4])
+def test_fp32_partials_remove_the_rounding_between_steps(P, slots, monkeypatch):
+    """bf16 inputs, simulated ring (reference backend, fp32 math): with RINGFA4_FP32_PARTIALS=1 the
+    block outputs are not rounded to bf16 before merging, so out is as accurate as one full call
+    (the merged fp32 result is rounded once); with bf16 partials the error grows with P."""
+    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
+    S = 2 * P * 32
+    q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=P)
+    ref = reference_grads(q, k, v, do, causal=True)[0]
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    full = get_backend("reference").forward(qb, kb, vb, AttnSpec(causal=True))[0]
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
+    errs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RINGFA4_FP32_PARTIALS", flag)
+        errs[flag] = rel_err(ringfa4.attention(qb, kb, vb, cp=cp, causal=True), ref)
+    e_full = rel_err(full, ref)
+    assert errs["1"] <= 1.02 * e_full, (errs, e_full)
+    assert errs["1"] < errs["0"], (errs, e_full)

@@ -70,6 +70,19 @@ def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: tor
         raise Fa4Unsupported(f"{name} must have last-dim stride 1, got strides {t.stride()}")
 
 
+def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None):
+    """Dense calls through :func:`ringfa4.kernels.fa4_fp32.fa4_forward_fp32`; varlen calls (no
+    fp32 kernel yet) run FA4's own forward and widen its output."""
+    if spec.varlen:
+        o, l = _kernels()[0](q, k, v, **_common(q, spec), return_lse=True, lse=lse)[:2]
+        out.copy_(o)
+        return out, l
+    from .fa4_fp32 import fa4_forward_fp32
+
+    return fa4_forward_fp32(q, k, v, causal=spec.causal, softmax_scale=spec.scale(q.shape[-1]),
+                            window=(spec.window_left, spec.window_right), softcap=spec.softcap, out=out, lse=lse)
+
+
 def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
     """Keyword arguments shared by FA4's forward and backward."""
     kw: dict[str, Any] = dict(
@@ -106,11 +119,14 @@ class Fa4Backend:
         _check_inputs(q, spec)
         lead = tuple(q.shape[:-2])
         h = q.shape[-2]
+        fp32_out = out is not None and out.dtype == torch.float32 and q.dtype != torch.float32
         if out is not None:
-            _check_buffer(out, "out", lead + (h, v.shape[-1]), q.dtype, q)
+            _check_buffer(out, "out", lead + (h, v.shape[-1]), torch.float32 if fp32_out else q.dtype, q)
         if lse is not None:
             lse_shape = (h, lead[0]) if spec.varlen else (lead[0], h, lead[1])
             _check_buffer(lse, "lse", lse_shape, torch.float32, q)
+        if fp32_out:  # a float32 block output (no rounding before the merge): our fp32-epilogue kernel
+            return _forward_fp32(q, k, v, spec, out, lse)
         fwd, _ = _kernels()
         try:
             res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=out, lse=lse)

@@ -138,7 +138,7 @@ class ReferenceBackend:
                 if b > a:
                     od, ld = self._forward_dense(q[None, a:b], k[None, c:e], v[None, c:e], dense)
                     o[a:b], l[:, a:b] = od[0], ld[0]
-        o = o.to(q.dtype)
+        o = o.to(q.dtype if out is None else out.dtype)  # an fp32 out of 16-bit inputs: not rounded
         l = l if l.dtype == torch.float64 else l.float()
         if out is not None:
             out.copy_(o)

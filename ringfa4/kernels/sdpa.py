@@ -257,7 +257,7 @@ class SdpaBackend:
         b, s_q, h, d = q.shape
         s_k, d_v = k.shape[1], v.shape[-1]
         if out is not None:
-            _check_tensor(out, "out", (b, s_q, h, d_v), q, q.dtype)
+            _check_tensor(out, "out", (b, s_q, h, d_v), q, out.dtype if out.dtype == torch.float32 else q.dtype)
         if lse is not None:
             _check_tensor(lse, "lse", (b, h, s_q), q, torch.float32)
         if q.numel() == 0 or s_k == 0:

@@ -101,7 +101,7 @@ def allgather_forward(run, qs, ks, vs):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         acc = torch.zeros(q.shape[:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
-        scratch = (torch.empty_like(acc, dtype=q.dtype), torch.empty_like(lse))
+        scratch = (torch.empty_like(acc, dtype=acc.dtype if run.fp32_partials else q.dtype), torch.empty_like(lse))
         for call in run.schedule.blocks(r):
             o, l = call.forward(run.backend, q, *kv[i], run.spec, *scratch)
             call.merge(acc, lse, o, l)

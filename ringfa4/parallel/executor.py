@@ -22,7 +22,7 @@ from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["RingRun", "ring_backward", "ring_forward", "ring_slots"]
+__all__ = ["RingRun", "fp32_partials", "ring_backward", "ring_forward", "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +40,21 @@ class RingRun:
     spec: AttnSpec
     transport: Transport
     slots: int = 0  # 0: merge each block into the accumulator; n > 0: keep n block outputs, combine once
+    fp32_partials: bool = False  # block outputs in fp32 (no rounding to q's dtype before the merge)
 
     @property
     def active_steps(self) -> int:
         """Steps up to the last one any rank has work in (later K/V is never needed)."""
         return active_steps(self.schedule)
+
+
+def fp32_partials() -> bool:
+    """``RINGFA4_FP32_PARTIALS=1``: 16-bit blocks hand back fp32 outputs (FA4: our fp32-epilogue
+    forward), so no rounding happens between ring steps."""
+    raw = os.environ.get("RINGFA4_FP32_PARTIALS", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"RINGFA4_FP32_PARTIALS must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def ring_slots() -> int:
@@ -139,7 +149,8 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     nxt = [bufs.empty(q0.device) for _ in cur]
     outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
     lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
-    merge = (_SlotCombine if run.slots else _StepMerge)(qs, outs, lses, dv, lse_dtype, run.slots)
+    part = acc if run.fp32_partials else None  # block output dtype (None: q's)
+    merge = (_SlotCombine if run.slots else _StepMerge)(qs, outs, lses, dv, lse_dtype, run.slots, part)
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
@@ -160,12 +171,13 @@ class _StepMerge:
     """Each block's output lands in one scratch and merges into the fp32 accumulator at once (the
     first block over all rows is copied instead)."""
 
-    def __init__(self, qs, outs, lses, dv, lse_dtype, _slots) -> None:
+    def __init__(self, qs, outs, lses, dv, lse_dtype, _slots, part_dtype) -> None:
         self.outs, self.lses = outs, lses
         by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # simulated ranks share one
         for q in qs:
             if q.shape not in by_shape:
-                by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (dv,)), q.new_empty(_lse_shape(q), dtype=lse_dtype))
+                by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (dv,), dtype=part_dtype or q.dtype),
+                                     q.new_empty(_lse_shape(q), dtype=lse_dtype))
         self.scratch = [by_shape[q.shape] for q in qs]
         self.fresh = [True] * len(qs)
 
@@ -189,9 +201,9 @@ class _SlotCombine:
     keep lse = -inf); every n blocks one combine reads the slots once and updates the
     accumulator: per block about 2 + 8/n bytes of traffic an element instead of a merge's 10."""
 
-    def __init__(self, qs, outs, lses, dv, lse_dtype, slots: int) -> None:
+    def __init__(self, qs, outs, lses, dv, lse_dtype, slots: int, part_dtype) -> None:
         self.outs, self.lses, self.n = outs, lses, slots
-        self.parts = [q.new_empty((slots,) + q.shape[:-1] + (dv,)) for q in qs]
+        self.parts = [q.new_empty((slots,) + q.shape[:-1] + (dv,), dtype=part_dtype or q.dtype) for q in qs]
         self.lse_parts = [torch.full((slots,) + _lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device)
                           for q in qs]
         self.used = [0] * len(qs)
