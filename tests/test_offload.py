@@ -53,16 +53,17 @@ def _loss_and_grads(model, ids, meta):
     (OffloadPlan(("host", "rebuild", "gpu", "rebuild"), group=2), False),
     (OffloadPlan(("gpu", "rebuild", "rebuild", "rebuild"), group=4), True),
 ])
-@pytest.mark.parametrize("cp_kind", ["one", "ring"])
+@pytest.mark.parametrize("cp_kind", ["one", "ring", "hybrid"])
 def test_layer_checkpointing_equals_plain(plan, cache, cp_kind):
     from ringfa4.memory import LayerCheckpointing
 
-    cp = ringfa4.ContextParallel(backend="reference") if cp_kind == "one" else \
-        ringfa4.ContextParallel.simulated(2, backend="reference")
+    cp = {"one": lambda: ringfa4.ContextParallel(backend="reference"),
+          "ring": lambda: ringfa4.ContextParallel.simulated(2, backend="reference"),
+          "hybrid": lambda: ringfa4.ContextParallel.simulated(4, backend="reference", ulysses=2)}[cp_kind]()
     rhf.register(cp)
     ref = _model()
     ref.set_attn_implementation(rhf.NAME)
-    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(1))
     want_loss, want = _loss_and_grads(ref, ids, None)
     model = copy.deepcopy(ref)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,9 +76,10 @@ def test_layer_checkpointing_equals_plain(plan, cache, cp_kind):
             torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
     rebuilt = plan.places.count("rebuild")
     assert ckpt.rebuilds == 2 * rebuilt
-    if cache:  # every recompute (and every rebuild) reused the forward's attention output
-        assert ckpt.cache.hits == 2 * (4 + rebuilt) and not ckpt.cache.slots
-    assert ckpt.peak_host_bytes == plan.places.count("host") * 24 * 32 * 8
+    if cache:  # every recompute (and every rebuild) reused the forward's attention outputs
+        calls = 2 if cp_kind == "hybrid" else 1  # simulated Ulysses: one ring call per head group
+        assert ckpt.cache.hits == 2 * calls * (4 + rebuilt) and not ckpt.cache.slots
+    assert ckpt.peak_host_bytes == plan.places.count("host") * 32 * 32 * 8
 
 
 def test_attention_cache_skips_the_recompute_forward(monkeypatch):
@@ -199,3 +201,33 @@ def test_unpack_hooks_are_idempotent():
     held = host_pack(x)
     first = host_unpack(held)
     assert torch.equal(first, x) and host_unpack(held) is first
+
+
+def test_attention_cache_with_packed_documents():
+    """Packed documents (ring and all-gather modes): cached outputs give the plain gradients."""
+    from ringfa4.memory import LayerCheckpointing
+
+    for mode in ("ring", "allgather"):
+        cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+        rhf.register(cp)
+        ref = _model(layers=2)
+        ref.set_attn_implementation(rhf.NAME)
+        pos = torch.tensor([list(range(13)) + list(range(11)) + list(range(8))])
+        ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(4))
+        meta = rhf.CPMeta(cp, cp.pack_from_position_ids(pos[0], mode))
+
+        def run(model, ids=ids, pos=pos, meta=meta):
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, **{rhf.NAME: meta}).logits
+            loss = F.cross_entropy(logits[0, :-1], ids[0, 1:])
+            loss.backward()
+            return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        want_loss, want = run(ref)
+        model = copy.deepcopy(ref)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt = LayerCheckpointing(model.model.layers, plan=OffloadPlan(("host", "gpu")), cache=True).install()
+        loss, grads = run(model)
+        assert torch.equal(loss, want_loss) and ckpt.cache.hits == 2, mode
+        for n in want:
+            torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
