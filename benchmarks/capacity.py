@@ -13,7 +13,8 @@ discounted, like the recipe), peak GPU memory (allocated and reserved), host mem
 and peak RSS), where the checkpointed inputs went, and the time shares of attention, MLP and loss
 from separate timings of one layer's attention and MLP (forward, recompute, backward) and of the
 loss at the same length. Rows that run out of memory say so. Each row runs in a fresh process
-(nothing of the previous row's model can stay on the GPU). Prints a table, writes JSON.
+(nothing of the previous row's model can stay on the GPU). ``--memory-trace`` lists what is alive
+at the step's peak, by the source line that allocated it. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 
+import _memtrace
 import torch
 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -143,7 +145,12 @@ def run_row(layers: int, seq: int, a, device, shape: dict, warm: bool) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         row["weights_gib"] = (torch.cuda.memory_allocated() / GIB) if device.type == "cuda" else 0.0
+        trace = a.memory_trace and device.type == "cuda"
+        if trace:
+            _memtrace.start()
         t = _timed(lambda: row.__setitem__("loss", one_step(model, train, ids, a, device, opt)), device)
+        if trace:  # what the step's peak holds, by the line that made it (the traced step is slower)
+            row["memory_at_peak"] = _memtrace.at_peak(_memtrace.snapshot())
         row.update(step_s=t, tokens_per_s=seq / t,
                    tflops=flops_per_token(shape, layers, seq) * seq / t / 1e12)
         row["mfu"] = row["tflops"] / a.peak_tflops
@@ -187,6 +194,8 @@ def main() -> None:
     ap.add_argument("--shares", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (smoke test)")
+    ap.add_argument("--memory-trace", action="store_true",
+                    help="record the allocator during the timed step; list what is alive at its peak")
     ap.add_argument("--out", default="")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -224,6 +233,13 @@ def main() -> None:
         print(f"| {r['layers']} | {r['seq']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['mfu']:.3f} | "
               f"{r.get('peak_gib', 0):.1f} | {r.get('reserved_gib', 0):.1f} | {r.get('host_pinned_gib', 0):.1f} | "
               f"{share} |")
+    for r in rows:
+        if "memory_at_peak" in r:
+            m = r["memory_at_peak"]
+            print(f"\nalive at the step's peak, {r['layers']} layers x {r['seq']} tokens "
+                  f"({m['peak_in_trace_gib']:.1f} GiB allocated during the step):")
+            for item in m["live_at_peak"]:
+                print(f"  {item['gib']:7.2f} GiB  {item['where']}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)

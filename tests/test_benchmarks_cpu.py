@@ -81,3 +81,19 @@ def test_ring_profile_runs_tiny():
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "| group | ms | share of busy |" in r.stdout and "device busy" in r.stdout
+
+
+def test_memtrace_replay_finds_the_peak_live_set():
+    import _memtrace
+
+    fr = lambda name: [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},  # noqa: E731
+                       {"filename": f"/s/site-packages/ringfa4/{name}.py", "line": 7, "name": "f"}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": fr("a")},
+              {"action": "alloc", "addr": 2, "size": 300, "frames": fr("b")},
+              {"action": "free_completed", "addr": 1, "size": 100},
+              {"action": "alloc", "addr": 3, "size": 150, "frames": fr("b")},  # 450: the peak
+              {"action": "free_requested", "addr": 2, "size": 300},
+              {"action": "alloc", "addr": 4, "size": 200, "frames": fr("c")}]
+    res = _memtrace.at_peak({"device_traces": [events]})
+    assert res["peak_in_trace_gib"] * 2**30 == 450
+    assert [(round(r["gib"] * 2**30), r["where"]) for r in res["live_at_peak"]] == [(450, "ringfa4/b.py:7 f")]
