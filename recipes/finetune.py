@@ -469,10 +469,11 @@ def dry_run(cfg: dict) -> str:
     return text
 
 
-# bytes per local token and hidden unit alive at the peak of one layer's backward (recomputed
-# activations, their gradients, FA4's fp32 dq accumulator), besides the checkpointed inputs:
-# measured on the H200 by benchmarks/capacity.py (see README, Memory)
-WORKING_SET_PER_TOKEN_HIDDEN = 16
+# what one step holds besides weights and checkpointed inputs (a layer's recomputed activations,
+# their gradients, FA4's fp32 accumulators, the loss chunk): a line through the two clean H200
+# points of benchmarks/capacity.py (Llama-3.1-8B shape, 32k: 16.6 GiB, 256k: 53.3 GiB), i.e. a
+# constant plus this many hidden-size tensors per local token
+WORKING_SET_CONST_GIB, WORKING_SET_HIDDEN_TENSORS = 11.4, 21
 
 
 def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) -> dict:
@@ -499,11 +500,12 @@ def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) 
         d = getattr(mc, "head_dim", None) or H // heads
         out["cached_attention"] = L * n * heads * (d * b + 4) if opts.cache_attention else 0
         out["plan"] = f"{c['gpu']} GPU, {c['host']} host, {c['rebuild']} rebuilt (group {plan.group})"
-        out["working_set"] = WORKING_SET_PER_TOKEN_HIDDEN * n * H * b / 2
+        out["working_set"] = WORKING_SET_CONST_GIB * 2**30 + WORKING_SET_HIDDEN_TENSORS * n * H * b
     else:
         out["activations"] = 16 * n * H * b * L
         out["plan"] = "no checkpointing"
-    out["logits"] = (min(t["tiled_loss"], n) if t["tiled_loss"] else n) * V * (b + 8)
+    if not t["activation_checkpointing"] or not t["tiled_loss"]:  # (the fitted constant holds a tiled chunk)
+        out["logits"] = n * V * (b + 8)
     out["total_gpu"] = sum(v for k, v in out.items() if k not in ("plan", "inputs_host"))
     return out
 
