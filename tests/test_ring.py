@@ -276,3 +276,22 @@ def test_fp32_partials_remove_the_rounding_between_steps(P, slots, monkeypatch):
     e_full = rel_err(full, ref)
     assert errs["1"] <= 1.02 * e_full, (errs, e_full)
     assert errs["1"] < errs["0"], (errs, e_full)
+
+
+def test_dkv_on_the_wire_in_the_input_dtype(monkeypatch):
+    """RINGFA4_DKV_WIRE=input: dK/dV travel (and accumulate) in bf16; fp32 (default) keeps their
+    error flat in P. Both run; the bf16 wire is the less accurate one at P = 16."""
+    P, S = 16, 2 * 16 * 16
+    q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=3)
+    ref = reference_grads(q, k, v, do, causal=True)
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
+    errs = {}
+    for wire in ("fp32", "input"):
+        monkeypatch.setenv("RINGFA4_DKV_WIRE", wire)
+        qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+        ringfa4.attention(qb, kb, vb, cp=cp, causal=True).backward(do.to(torch.bfloat16))
+        errs[wire] = (rel_err(kb.grad, ref[3]), rel_err(vb.grad, ref[4]))
+    assert errs["input"][0] > errs["fp32"][0] and errs["input"][1] > errs["fp32"][1], errs
+    monkeypatch.setenv("RINGFA4_DKV_WIRE", "fp16")
+    with pytest.raises(ValueError, match="RINGFA4_DKV_WIRE"):
+        ringfa4.attention(q, k, v, cp=cp, causal=True)

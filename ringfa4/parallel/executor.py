@@ -22,7 +22,7 @@ from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["RingRun", "fp32_partials", "ring_backward", "ring_forward", "ring_slots"]
+__all__ = ["RingRun", "dkv_wire_fp32", "fp32_partials", "ring_backward", "ring_forward", "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class RingRun:
     transport: Transport
     slots: int = 0  # 0: merge each block into the accumulator; n > 0: keep n block outputs, combine once
     fp32_partials: bool = False  # block outputs in fp32 (no rounding to q's dtype before the merge)
+    dkv_wire_fp32: bool = True  # dK/dV accumulate and travel in fp32 (False: in k's dtype, half the bytes)
 
     @property
     def active_steps(self) -> int:
@@ -55,6 +56,16 @@ def fp32_partials() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"RINGFA4_FP32_PARTIALS must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def dkv_wire_fp32() -> bool:
+    """``RINGFA4_DKV_WIRE``: ``fp32`` (default) accumulates dK/dV in fp32 as they travel the ring;
+    ``input`` keeps them in k's dtype (half the bytes on the wire, one rounding per hop: the error
+    grows with P, see benchmarks/ring_precision.py)."""
+    raw = os.environ.get("RINGFA4_DKV_WIRE", "fp32")
+    if raw not in ("fp32", "input"):
+        raise ValueError(f"RINGFA4_DKV_WIRE must be 'fp32' or 'input', got {raw!r}")
+    return raw == "fp32"
 
 
 def ring_slots() -> int:
@@ -238,7 +249,7 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     acc = _acc_dtype(qs[0])
     steps, world = run.active_steps, run.schedule.world_size
     bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
-    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc)
+    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc if run.dkv_wire_fp32 else ks[0].dtype)
     kv_cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
     kv_nxt = [bufs.empty(k.device) for k in ks]
     dkv_cur = [gbufs.zeros(k.device) for k in ks]
