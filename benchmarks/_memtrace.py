@@ -49,7 +49,8 @@ def at_peak(snap: dict, device: int = 0, top: int = 15) -> dict:
             cur += size
             if cur > peak:
                 peak, at = cur, dict(live)
-        elif action in ("free_requested", "free_completed") and addr in live:
+        elif action == "free_completed" and addr in live:  # (a block freed while a side stream still
+            # uses it stays allocated until then: record_stream, e.g. the offload copies)
             cur -= live.pop(addr)[0]
     groups: dict[str, int] = {}
     for size, where in at.values():

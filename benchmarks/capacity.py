@@ -210,9 +210,9 @@ def main() -> None:
         print("ROW " + json.dumps(run_row(layers, seq, a, device, shape, bool(warm))), flush=True)
         return
     rows = []
-    for i, seq in enumerate(int(s) for s in a.seqs.split(",")):
+    for seq in (int(s) for s in a.seqs.split(",")):
         for layers in (int(x) for x in a.layers.split(",")):
-            warm = int(not a.no_warm and (i == 0 or a.mode == "plain"))
+            warm = int(not a.no_warm)  # every row is a fresh process: compiles and pinned pool are cold
             r = subprocess.run([sys.executable, *sys.argv, "--one", f"{layers},{seq},{warm}"], capture_output=True,
                                text=True)
             found = [ln[4:] for ln in r.stdout.splitlines() if ln.startswith("ROW ")]

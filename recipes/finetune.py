@@ -483,8 +483,9 @@ def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) 
 
     t = cfg["train"]
     H, L, V = mc.hidden_size, mc.num_hidden_layers, mc.vocab_size
-    if t["lora_r"]:  # frozen bf16 weights; LoRA factors with grads and Adam moments (small)
-        state = n_params * b + L * len(t["lora_targets"]) * t["lora_r"] * 2 * H * (b + 12)
+    if t["lora_r"]:  # frozen weights (FSDP-sharded when on); LoRA factors with grads and Adam moments
+        state = n_params * b / (world if cfg["parallel"]["fsdp"] else 1) + L * len(t["lora_targets"]) * t[
+            "lora_r"] * 2 * H * (b + 12)
     else:  # params, grads, fp32 Adam moments, FSDP-sharded
         state = n_params * (2 * b + 8) / world
     layer_in = n * H * b

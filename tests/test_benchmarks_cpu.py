@@ -91,9 +91,12 @@ def test_memtrace_replay_finds_the_peak_live_set():
     events = [{"action": "alloc", "addr": 1, "size": 100, "frames": fr("a")},
               {"action": "alloc", "addr": 2, "size": 300, "frames": fr("b")},
               {"action": "free_completed", "addr": 1, "size": 100},
-              {"action": "alloc", "addr": 3, "size": 150, "frames": fr("b")},  # 450: the peak
-              {"action": "free_requested", "addr": 2, "size": 300},
-              {"action": "alloc", "addr": 4, "size": 200, "frames": fr("c")}]
+              {"action": "alloc", "addr": 3, "size": 150, "frames": fr("b")},
+              {"action": "free_requested", "addr": 2, "size": 300},  # still in use on a side stream
+              {"action": "alloc", "addr": 4, "size": 50, "frames": fr("c")},  # 500: the peak
+              {"action": "free_completed", "addr": 2, "size": 300},
+              {"action": "alloc", "addr": 5, "size": 200, "frames": fr("c")}]
     res = _memtrace.at_peak({"device_traces": [events]})
-    assert res["peak_in_trace_gib"] * 2**30 == 450
-    assert [(round(r["gib"] * 2**30), r["where"]) for r in res["live_at_peak"]] == [(450, "ringfa4/b.py:7 f")]
+    assert res["peak_in_trace_gib"] * 2**30 == 500
+    assert [(round(r["gib"] * 2**30), r["where"]) for r in res["live_at_peak"]] == [(450, "ringfa4/b.py:7 f"),
+                                                                                   (50, "ringfa4/c.py:7 f")]

@@ -231,3 +231,68 @@ def test_attention_cache_with_packed_documents():
         assert torch.equal(loss, want_loss) and ckpt.cache.hits == 2, mode
         for n in want:
             torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+class _Torch211Inputs(torch.autograd.Function):
+    """torch <= 2.11's checkpoint saved its inputs with a 0-element dummy in front (the H200 runs
+    2.11); this reproduces that saving so the CPU (torch 2.13) sees what the hooks saw there."""
+
+    @staticmethod
+    def forward(*args):
+        return torch.empty((0,))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.idx = [i for i, o in enumerate(inputs) if isinstance(o, torch.Tensor)]
+        ctx.args = [None if isinstance(o, torch.Tensor) else o for o in inputs]
+        ctx.save_for_backward(*[inputs[i] for i in ctx.idx])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise AssertionError
+
+
+def test_torch211_dummy_input_and_host_inputs_released(monkeypatch):
+    """With 2.11's dummy saved next to the layer input, each group is rebuilt once (not once per
+    saved tensor), and no input copied back from the host stays referenced by the checkpointer."""
+    from torch.utils import checkpoint as C
+
+    from ringfa4.memory import LayerCheckpointing
+
+    def save_inputs(self, *args):
+        self.input_saver = _Torch211Inputs.apply(torch.empty((0,), requires_grad=True), *args)
+
+    def get_inputs(self):
+        ctx = self.input_saver.grad_fn
+        ret = list(ctx.args)
+        for j, i in enumerate(ctx.idx):
+            ret[i] = ctx.saved_tensors[j]
+        return ret[1:]
+
+    monkeypatch.setattr(C._CheckpointFrame, "save_inputs", save_inputs)
+    monkeypatch.setattr(C._CheckpointFrame, "get_inputs", get_inputs)
+    rhf.register(ringfa4.ContextParallel(backend="reference"))
+    ref = _model(layers=8)
+    ref.set_attn_implementation(rhf.NAME)
+    ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(5))
+    want_loss, want = _loss_and_grads(ref, ids, None)
+    model = copy.deepcopy(ref)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = OffloadPlan(("host", "rebuild", "host", "rebuild", "host", "rebuild", "gpu", "rebuild"), group=2)
+    ckpt = LayerCheckpointing(model.model.layers, plan=plan).install()
+    taken = []
+    real_take = ckpt._take
+
+    def take(held):
+        x = real_take(held)
+        taken.append(sum(1 for _, h in ckpt._host if h.gpu is not None))
+        return x
+
+    ckpt._take = take
+    loss, grads = _loss_and_grads(model, ids, None)
+    assert torch.equal(loss, want_loss)
+    for n in want:
+        torch.testing.assert_close(grads[n], want[n], rtol=1e-12, atol=1e-14, msg=n)
+    assert ckpt.rebuilds == 4  # one rebuilt input per group of two
+    assert taken and max(taken) == 0, taken  # every copied-back input is held by autograd alone
+    assert not ckpt._heads and not ckpt._fns

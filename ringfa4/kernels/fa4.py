@@ -126,7 +126,10 @@ class Fa4Backend:
             lse_shape = (h, lead[0]) if spec.varlen else (lead[0], h, lead[1])
             _check_buffer(lse, "lse", lse_shape, torch.float32, q)
         if fp32_out:  # a float32 block output (no rounding before the merge): our fp32-epilogue kernel
-            return _forward_fp32(q, k, v, spec, out, lse)
+            try:
+                return _forward_fp32(q, k, v, spec, out, lse)
+            except AssertionError as exc:
+                raise Fa4Unsupported(f"flash-attn-4 fp32-output forward refused this call: {exc}") from exc
         fwd, _ = _kernels()
         try:
             res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=out, lse=lse)

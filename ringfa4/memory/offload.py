@@ -82,6 +82,7 @@ class _PinnedPool:
 
     def __init__(self) -> None:
         self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.used: set[tuple] = set()
         self.nbytes = 0
 
     def get(self, like: torch.Tensor) -> torch.Tensor:
@@ -92,7 +93,35 @@ class _PinnedPool:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
 
     def put(self, t: torch.Tensor) -> None:
-        self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        key = (tuple(t.shape), t.dtype)
+        self.free.setdefault(key, []).append(t)
+        self.used.add(key)
+
+    def trim(self) -> None:
+        """Free the buffers of shapes the last step did not use (packed lengths vary)."""
+        for key in [k for k in self.free if k not in self.used]:
+            self.nbytes -= sum(t.numel() * t.element_size() for t in self.free.pop(key))
+        self.used = set()
+
+
+class _Raw:
+    """A saved tensor that is not the layer input (torch <= 2.11 saves a 0-element dummy too)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t) -> None:
+        self.t = t
+
+
+def _only_input(x: torch.Tensor, pack, unpack):
+    """Hooks that apply ``pack`` / ``unpack`` to the layer input ``x`` only."""
+    def pack_input(t):
+        same = t.numel() == x.numel() and t.numel() > 0 and t.data_ptr() == x.data_ptr()
+        return pack(t) if same else _Raw(t)
+
+    def unpack_input(h):
+        return h.t if isinstance(h, _Raw) else unpack(h)
+    return pack_input, unpack_input
 
 
 class _Held:
@@ -161,8 +190,14 @@ class LayerCheckpointing:
             self._host.clear()
             self._heads.clear()
             self._rebuilt.clear()
+            self._fns.clear()
+            self.pool.trim()
         place, head = plan.places[i], plan.head(i)
-        self._fns[i] = fn
+        if plan.group > 1:  # rebuilds call the layer again
+            if sum(isinstance(a, torch.Tensor) for a in args) > 1:
+                raise ValueError("grouped checkpointing rebuilds a layer from its hidden states alone; this layer "
+                                 f"takes {len(args)} positional tensors")
+            self._fns[i] = fn
         calls = {"n": 0}
         cache = self.cache if torch.is_grad_enabled() else None  # no backward, no recompute to serve
 
@@ -175,7 +210,7 @@ class LayerCheckpointing:
         hooks = {"gpu": self._gpu_hooks(i), "host": self._host_hooks(i), "rebuild": self._rebuild_hooks(i, head)}[place]
         if plan.group > 1 and i == head:
             hooks = self._head_hooks(i, place)
-        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+        with torch.autograd.graph.saved_tensors_hooks(*_only_input(x, *hooks)):
             return checkpoint(body, *args, use_reentrant=False)
 
     def _plan_for(self, x: torch.Tensor) -> OffloadPlan:
@@ -230,12 +265,15 @@ class LayerCheckpointing:
         elif held.host is not None:
             self.pool.put(held.host)
         held.host, held.ready = None, None
+        self._host = [(j, h) for j, h in self._host if h is not held]  # autograd's holder keeps it now
         return x
 
     def _prefetch_before(self, i: int) -> None:
-        earlier = [h for j, h in self._host if j < i]
-        if earlier:
-            self._fetch(earlier[-1])
+        """Start copying back the nearest earlier host input if backward needs it next (within one
+        group of layers), not sooner: it would sit on the GPU through the layers in between."""
+        earlier = [(j, h) for j, h in self._host if j < i]
+        if earlier and earlier[-1][0] >= i - self.plan.group:
+            self._fetch(earlier[-1][1])
 
     def _gpu_hooks(self, i: int):
         def unpack(x):  # kept as is; backward reaching it starts the copy of the next host input
@@ -267,6 +305,9 @@ class LayerCheckpointing:
         def unpack(held):  # may run more than once for one saved input: idempotent
             x = self._take(held) if held.host is not None else held.gpu
             held.gpu = x
+            self._heads.pop(i, None)  # the group's rebuild came first; autograd's holder keeps it now
+            for j in range(i, i + self.plan.group):
+                self._fns.pop(j, None)
             self._prefetch_before(i)
             return x
         return pack, unpack
@@ -285,8 +326,6 @@ class LayerCheckpointing:
 
     def _rebuild_group(self, head: int, upto: int) -> None:
         """Recompute (no grad) the inputs of layers head+1 .. upto from the head's kept input."""
-        for later in [h for h in self._heads if h > head]:  # their groups' backward is over
-            del self._heads[later]
         held = self._heads[head]
         x = self._take(held) if held.host is not None else held.gpu
         held.gpu = x  # the head's own unpack reuses it
