@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 runs the open issues still need, in stages that each fit one device call (< 10 min).
+# On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
+#   kernels   GPU tests of the CuTe combine, the fp32-output FA4 forward, offload, merge paths (~3 min)
+#   ring      where a ring step's time goes; slots / fp32 partials / bf16 dK/dV wire: speed and precision
+#   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
+#   recipe    llama3_8b_1xh200.toml, one 32k document a step, vs plain transformers (~3 min)
+# JSON lands in ${OUT:-bench_results}.
+set -uo pipefail
+out=${OUT:-bench_results}
+mkdir -p "$out"
+case "${1:-}" in
+  kernels)
+    python3 -m pytest -m gpu -q tests/test_cute_combine.py tests/test_fa4_fp32.py tests/test_offload.py \
+      tests/test_cute_merge.py tests/test_ring_gpu.py tests/test_packing_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -40
+    ;;
+  ring)
+    python3 benchmarks/ring_profile.py --seq 65536 --world 8 --out "$out/ring_profile_64k_p8.json" | tail -22
+    for env in "RINGFA4_RING_SLOTS=0" "RINGFA4_RING_SLOTS=8" "RINGFA4_FP32_PARTIALS=1" \
+               "RINGFA4_FP32_PARTIALS=1 RINGFA4_RING_SLOTS=8" "RINGFA4_DKV_WIRE=input"; do
+      tag=$(echo "$env" | tr ' =' '__')
+      echo "== $env"
+      env $env python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --out "$out/ring_sim_$tag.json" | tail -3
+    done
+    RINGFA4_FP32_PARTIALS=1 python3 benchmarks/ring_precision.py --worlds 2,8,32 \
+      --out "$out/ring_precision_fp32_partials.json" | tail -6
+    ;;
+  capacity)
+    python3 benchmarks/capacity.py --mode ringfa4 --layers 2 --seqs 524288,1048576 --gpu-budget-gib 8.5 \
+      --host-budget-gib 9 --group 2 --no-warm --memory-trace --out "$out/capacity_2l_512k_1m.json" | tail -40
+    ;;
+  recipe)
+    torchrun --standalone --nproc-per-node 1 recipes/finetune.py recipes/configs/llama3_8b_1xh200.toml \
+      --set train.steps=4 --set log.progress=false --metrics-out "$out/recipe_llama3_8b_32k_doc.json" 2>&1 \
+      | grep -E "^step|OK|Error" | tail -6
+    python3 benchmarks/capacity.py --mode plain --layers 32 --seqs 32768 --out "$out/capacity_plain_32k.json" | tail -3
+    ;;
+  *)
+    echo "usage: bash benchmarks/h200_pending.sh kernels|ring|capacity|recipe" >&2
+    exit 2
+    ;;
+esac
