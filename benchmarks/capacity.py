@@ -6,7 +6,10 @@ r=16 on q/k/v/o, bf16, one optimizer step per row, with ringfa4's memory tools o
     python benchmarks/capacity.py --mode ringfa4 --layers 2,4 --seqs 1048576 --host-budget-gib 100
 
 plain: transformers with sdpa attention, gradient checkpointing and its own loss (full logits).
-ringfa4: attn_implementation="ringfa4" (one fa4 call a layer), tiled MLP, tiled loss, layer
+LoRA factors: plain mode keeps peft's default (fp32, which keeps an fp32 copy of every adapted
+layer's input for backward; the first H200 runs of both modes used it); ringfa4 mode puts them in
+the model's dtype unless ``--lora-fp32``.
+ringfa4: attn_implementation="ringfa4" (one fa4 call a layer), lean RMSNorms, tiled MLP, tiled loss, layer
 checkpointing with inputs placed by budget (GPU / pinned host / rebuilt), optionally cached
 attention outputs. A row reports step time, tokens/s, MFU (torchtitan's convention, causal not
 discounted, like the recipe), peak GPU memory (allocated and reserved), host memory (pinned pool
@@ -37,7 +40,7 @@ LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, 
 GIB = 2**30
 
 
-def build(layers: int, device, dtype, shape: dict):
+def build(layers: int, device, dtype, shape: dict, lora_fp32: bool = False):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -47,7 +50,7 @@ def build(layers: int, device, dtype, shape: dict):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora).train()
+    return get_peft_model(model, lora, autocast_adapter_dtype=lora_fp32).train()
 
 
 def flops_per_token(shape: dict, layers: int, seq: int) -> float:
@@ -127,7 +130,7 @@ def run_row(layers: int, seq: int, a, device, shape: dict, warm: bool) -> dict:
     row = {"mode": a.mode, "layers": layers, "seq": seq}
     model = train = opt = None
     try:
-        model = build(layers, device, getattr(torch, a.dtype), shape)
+        model = build(layers, device, getattr(torch, a.dtype), shape, a.lora_fp32 or a.mode == "plain")
         if a.mode == "plain":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -135,7 +138,7 @@ def run_row(layers: int, seq: int, a, device, shape: dict, warm: bool) -> dict:
             model.get_base_model().set_attn_implementation(rhf.NAME)
             rhf.enable_long_context(model, rhf.LongContext(
                 mlp_tile=a.mlp_tile, gpu_budget_gib=a.gpu_budget_gib, host_budget_gib=a.host_budget_gib,
-                group=a.group, cache_attention=a.cache_attention))
+                group=a.group, cache_attention=a.cache_attention, lean_norms=not a.plain_norms))
             train = rhf.TiledLossLM(model, a.loss_chunk)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         ids = torch.randint(0, shape["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(seq)).to(device)
@@ -190,6 +193,8 @@ def main() -> None:
     ap.add_argument("--host-budget-gib", type=float, default=None)
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--cache-attention", action="store_true")
+    ap.add_argument("--lora-fp32", action="store_true", help="LoRA factors in fp32 (peft's default)")
+    ap.add_argument("--plain-norms", action="store_true", help="transformers' RMSNorm (saves an fp32 copy)")
     ap.add_argument("--no-warm", action="store_true", help="time the first step (compiles included)")
     ap.add_argument("--shares", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=989.0)

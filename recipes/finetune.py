@@ -47,6 +47,9 @@ DEFAULTS = {
               # with activation_checkpointing: where layer inputs live (GiB budgets; 0 = none, -1 = no limit)
               "ckpt_gpu_budget_gib": -1, "ckpt_host_budget_gib": 0, "ckpt_group": 0,
               "cache_attention": False,  # the recompute reuses the forward's attention outputs
+              "lean_norms": True,  # RMSNorms save their 16-bit input, not an fp32 copy (same values)
+              "lora_dtype": "model",  # LoRA factors in the model's dtype, or "float32" (peft's default:
+              # every adapted layer then keeps an fp32 copy of its input for backward)
               "lora_r": 0, "lora_alpha": 32, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
     "data": {"kind": "passkey", "path": "", "doc_tokens": 200},
     "checkpoint": {"dir": "", "every": 0, "export": ""},
@@ -157,7 +160,9 @@ def _lora(model, cfg):
     t = cfg["train"]
     conf = LoraConfig(r=t["lora_r"], lora_alpha=t["lora_alpha"], target_modules=list(t["lora_targets"]),
                       lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, conf)
+    if t["lora_dtype"] not in ("model", "float32"):
+        raise ValueError(f"train.lora_dtype must be 'model' or 'float32', got {t['lora_dtype']!r}")
+    return get_peft_model(model, conf, autocast_adapter_dtype=t["lora_dtype"] == "float32")
 
 
 def long_context_options(cfg: dict):
@@ -170,7 +175,8 @@ def long_context_options(cfg: dict):
         gib = dict.fromkeys(gib)
     return rhf.LongContext(mlp_tile=t["mlp_tile"] or None, checkpoint=t["activation_checkpointing"],
                            gpu_budget_gib=gib["ckpt_gpu_budget_gib"], host_budget_gib=gib["ckpt_host_budget_gib"],
-                           group=t["ckpt_group"] or None, cache_attention=t["cache_attention"])
+                           group=t["ckpt_group"] or None, cache_attention=t["cache_attention"],
+                           lean_norms=t["lean_norms"])
 
 
 def _lr_lambda(cfg):
@@ -472,8 +478,11 @@ def dry_run(cfg: dict) -> str:
 # what one step holds besides weights and checkpointed inputs (a layer's recomputed activations,
 # their gradients, FA4's fp32 accumulators, the loss chunk): a line through the two clean H200
 # points of benchmarks/capacity.py (Llama-3.1-8B shape, 32k: 16.6 GiB, 256k: 53.3 GiB), i.e. a
-# constant plus this many hidden-size tensors per local token
+# constant plus this many hidden-size tensors per local token. Those runs had fp32 LoRA factors and
+# transformers' RMSNorm; counting saved tensors on the CPU, bf16 factors keep 7 fewer hidden-size
+# tensors a token and layer, lean norms 2 fewer (estimates until the H200 re-measures them)
 WORKING_SET_CONST_GIB, WORKING_SET_HIDDEN_TENSORS = 11.4, 21
+SAVED_BY_MODEL_DTYPE_LORA, SAVED_BY_LEAN_NORMS = 7, 2
 
 
 def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) -> dict:
@@ -501,7 +510,9 @@ def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) 
         d = getattr(mc, "head_dim", None) or H // heads
         out["cached_attention"] = L * n * heads * (d * b + 4) if opts.cache_attention else 0
         out["plan"] = f"{c['gpu']} GPU, {c['host']} host, {c['rebuild']} rebuilt (group {plan.group})"
-        out["working_set"] = WORKING_SET_CONST_GIB * 2**30 + WORKING_SET_HIDDEN_TENSORS * n * H * b
+        units = WORKING_SET_HIDDEN_TENSORS - (SAVED_BY_LEAN_NORMS if t["lean_norms"] else 0) - (
+            SAVED_BY_MODEL_DTYPE_LORA if t["lora_r"] and t["lora_dtype"] == "model" else 0)
+        out["working_set"] = WORKING_SET_CONST_GIB * 2**30 + units * n * H * b
     else:
         out["activations"] = 16 * n * H * b * L
         out["plan"] = "no checkpointing"

@@ -99,7 +99,7 @@ def test_attention_cache_skips_the_recompute_forward(monkeypatch):
     for cache in (False, True):
         model = _model(layers=3)
         model.set_attn_implementation(rhf.NAME)
-        rhf.enable_long_context(model, mlp_tile=None, cache_attention=cache)
+        rhf.enable_long_context(model, mlp_tile=None, cache_attention=cache, lean_norms=False)
         calls["n"] = 0
         _loss_and_grads(model, ids, None)
         counts.append(calls["n"])
@@ -116,7 +116,8 @@ def test_enable_long_context_budgets_and_tiled_loss_module():
     model = copy.deepcopy(ref)
     layer_bytes = S * 32 * 8
     rhf.enable_long_context(model, rhf.LongContext(mlp_tile=5, gpu_budget_gib=2.5 * layer_bytes / GIB,
-                                                   host_budget_gib=1.0 * layer_bytes / GIB, cache_attention=True))
+                                                   host_budget_gib=1.0 * layer_bytes / GIB, cache_attention=True,
+                                                   lean_norms=False))
     train = rhf.TiledLossLM(model, chunk=7)
     shard = rhf.shard_batch({"input_ids": ids}, ringfa4.ContextParallel(backend="reference"))
     loss = train(shard)
@@ -126,6 +127,13 @@ def test_enable_long_context_budgets_and_tiled_loss_module():
     torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-12, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-13, msg=n)
+    lean = copy.deepcopy(ref)  # lean norms too: transformers' norm is fp32 math, so fp32-level agreement
+    rhf.enable_long_context(lean, rhf.LongContext(mlp_tile=5, cache_attention=True))
+    loss = rhf.TiledLossLM(lean, chunk=7)(shard)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-7, atol=0)
+    for n, p in lean.named_parameters():
+        assert (p.grad - want[n]).norm() <= 1e-6 * want[n].norm(), n
     with pytest.raises(ValueError, match="unknown long-context options"):
         rhf.enable_long_context(model, offload=True)
     small = rhf.enable_long_context(_model(), gpu_budget_gib=0.1 * layer_bytes / GIB, host_budget_gib=0)

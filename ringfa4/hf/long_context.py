@@ -10,6 +10,8 @@
   from its group (:mod:`ringfa4.memory.offload`), planned from the budgets at the first forward;
 - ``cache_attention``: the recompute reuses the forward's attention (out, lse) instead of running
   the ring forward again (one extra (s, h, d) output a layer until its backward);
+- ``lean_norms``: Llama-style RMSNorms save their 16-bit input instead of an fp32 copy
+  (:mod:`ringfa4.memory.lean_norm`; same values);
 - :class:`TiledLossLM`: the loss through lm_head in token chunks (:mod:`ringfa4.memory.tiled_loss`),
   inside a module forward so that FSDP2 gathers the head's weight (make it the FSDP root).
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from ..memory import LayerCheckpointing, tile_mlp_in_place, tiled_causal_lm_loss
+from ..memory import LayerCheckpointing, lean_rmsnorm_in_place, tile_mlp_in_place, tiled_causal_lm_loss
 from .batch import CPBatch
 
 __all__ = ["LongContext", "TiledLossLM", "decoder_layers", "enable_long_context"]
@@ -39,6 +41,7 @@ class LongContext:
     host_budget_gib: float | None = None  # pinned host memory for them
     group: int | None = None             # keep every group-th input, rebuild the rest (None: as needed)
     cache_attention: bool = False        # reuse attention outputs in the recompute
+    lean_norms: bool = True              # RMSNorms keep their 16-bit input, not an fp32 copy
 
 
 def decoder_layers(model) -> list[nn.Module]:
@@ -58,6 +61,8 @@ def enable_long_context(model, options: LongContext | None = None, **overrides):
         raise ValueError(f"unknown long-context options {sorted(unknown)}; known: {sorted(names)}")
     opts = replace(options or LongContext(), **overrides)
     layers = decoder_layers(model)
+    if opts.lean_norms:
+        lean_rmsnorm_in_place(model)
     if opts.mlp_tile is not None:
         for layer in layers:
             mlp = getattr(layer, "mlp", None)

@@ -2,9 +2,10 @@
 with inputs on the GPU, the host or rebuilt (the recompute may reuse kept attention outputs)."""
 
 from ..kernels.output_cache import OutputCache
+from .lean_norm import lean_rmsnorm, lean_rmsnorm_in_place
 from .offload import LayerCheckpointing, OffloadPlan, plan_offload
 from .tiled_loss import tiled_causal_lm_loss
 from .tiled_mlp import TiledMLP, tile_mlp_in_place, tiled_apply
 
-__all__ = ["LayerCheckpointing", "OffloadPlan", "OutputCache", "TiledMLP", "plan_offload", "tile_mlp_in_place",
-           "tiled_apply", "tiled_causal_lm_loss"]
+__all__ = ["LayerCheckpointing", "OffloadPlan", "OutputCache", "TiledMLP", "lean_rmsnorm", "lean_rmsnorm_in_place",
+           "plan_offload", "tile_mlp_in_place", "tiled_apply", "tiled_causal_lm_loss"]
