@@ -117,7 +117,7 @@ def test_enable_long_context_budgets_and_tiled_loss_module():
     layer_bytes = S * 32 * 8
     rhf.enable_long_context(model, rhf.LongContext(mlp_tile=5, gpu_budget_gib=2.5 * layer_bytes / GIB,
                                                    host_budget_gib=1.0 * layer_bytes / GIB, cache_attention=True,
-                                                   lean_norms=False))
+                                                   lean_norms=False, fold_mlp_norm=False))
     train = rhf.TiledLossLM(model, chunk=7)
     shard = rhf.shard_batch({"input_ids": ids}, ringfa4.ContextParallel(backend="reference"))
     loss = train(shard)

@@ -11,7 +11,8 @@
 - ``cache_attention``: the recompute reuses the forward's attention (out, lse) instead of running
   the ring forward again (one extra (s, h, d) output a layer until its backward);
 - ``lean_norms``: Llama-style RMSNorms save their 16-bit input instead of an fp32 copy
-  (:mod:`ringfa4.memory.lean_norm`; same values);
+  (:mod:`ringfa4.memory.lean_norm`; same values); ``fold_mlp_norm``: the norm before a tiled MLP
+  is computed inside its tiles, so backward keeps the norm's input only;
 - :class:`TiledLossLM`: the loss through lm_head in token chunks (:mod:`ringfa4.memory.tiled_loss`),
   inside a module forward so that FSDP2 gathers the head's weight (make it the FSDP root).
 """
@@ -23,7 +24,14 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from ..memory import LayerCheckpointing, lean_rmsnorm_in_place, tile_mlp_in_place, tiled_causal_lm_loss
+from ..memory import (
+    LayerCheckpointing,
+    lean_rmsnorm_in_place,
+    tile_mlp_in_place,
+    tile_norm_and_mlp_in_place,
+    tiled_causal_lm_loss,
+)
+from ..memory.lean_norm import LLAMA_STYLE
 from .batch import CPBatch
 
 __all__ = ["LongContext", "TiledLossLM", "decoder_layers", "enable_long_context"]
@@ -42,6 +50,7 @@ class LongContext:
     group: int | None = None             # keep every group-th input, rebuild the rest (None: as needed)
     cache_attention: bool = False        # reuse attention outputs in the recompute
     lean_norms: bool = True              # RMSNorms keep their 16-bit input, not an fp32 copy
+    fold_mlp_norm: bool = True           # the norm before a tiled MLP runs inside its tiles
 
 
 def decoder_layers(model) -> list[nn.Module]:
@@ -68,7 +77,13 @@ def enable_long_context(model, options: LongContext | None = None, **overrides):
             mlp = getattr(layer, "mlp", None)
             if mlp is None:
                 raise ValueError(f"{type(layer).__name__} has no .mlp to tile")
-            tile_mlp_in_place(mlp, opts.mlp_tile)
+            norm = getattr(layer, "post_attention_layernorm", None)
+            foldable = (opts.fold_mlp_norm and type(norm).__name__ in LLAMA_STYLE
+                        and not hasattr(layer, "pre_feedforward_layernorm"))  # (Gemma: norms around the mlp)
+            if foldable:
+                tile_norm_and_mlp_in_place(norm, mlp, opts.mlp_tile)
+            else:
+                tile_mlp_in_place(mlp, opts.mlp_tile)
     if opts.checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         gib = (None if x is None else x * GIB for x in (opts.gpu_budget_gib, opts.host_budget_gib))

@@ -69,6 +69,32 @@ def tile_mlp_in_place(mlp: nn.Module, tile: int = 8192) -> nn.Module:
     return mlp
 
 
+def tile_norm_and_mlp_in_place(norm: nn.Module, mlp: nn.Module, tile: int = 8192) -> nn.Module:
+    """Run a Llama-style ``norm`` (weight, variance_epsilon) and the ``mlp`` after it as one tiled,
+    recomputed function: backward keeps the norm's input only, not the norm's output too (one
+    hidden-size tensor per token less). The norm's forward becomes the identity and the mlp's
+    forward applies both; names, parameters and values are unchanged. Returns the mlp."""
+    from .lean_norm import lean_rmsnorm
+
+    if getattr(mlp, "_ringfa4_tile", None) is not None:
+        raise ValueError("this mlp is already tiled")
+    plain = mlp.forward
+    eps = norm.variance_epsilon
+
+    def both(t):
+        return plain(lean_rmsnorm(t, norm.weight, eps))
+
+    def forward(h):
+        if h.shape[1] <= mlp._ringfa4_tile or not torch.is_grad_enabled():
+            return tiled_apply(mlp, h, mlp._ringfa4_tile, fn=both)
+        return _Tiled.apply(both, mlp._ringfa4_tile, h, *norm.parameters(), *mlp.parameters())
+
+    mlp._ringfa4_tile = tile
+    norm.forward = lambda h: h
+    mlp.forward = forward
+    return mlp
+
+
 class TiledMLP(nn.Module):
     """Wraps a position-wise module (an HF MLP) so it runs tile by tile; parameters are shared."""
 
