@@ -173,6 +173,8 @@ class LayerCheckpointing:
 
     @property
     def peak_host_bytes(self) -> int:
+        """Pinned host bytes the pool holds: after a step, that step's peak (the next step's
+        start frees buffers of shapes it no longer uses)."""
         return self.pool.nbytes
 
     # -- the checkpoint of one layer ---------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..kernels import merge_lse_
 from .memo import cached_method
 
-__all__ = ["Block", "band_block", "coalesce", "global_band"]
+__all__ = ["Block", "band_block", "coalesce", "copy_unless_there", "global_band"]
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,8 @@ class Block:
     def place(self, slot_o, slot_l, o, l) -> None:
         """Put the block result into its rows of a combine slot (where the forward wrote it unless
         the backend ignored ``out=``)."""
-        dst_o, dst_l = slot_o[:, self.q0:self.q1], slot_l[:, :, self.q0:self.q1]
-        if o.data_ptr() != dst_o.data_ptr():
-            dst_o.copy_(o)
-        if l.data_ptr() != dst_l.data_ptr():
-            dst_l.copy_(l)
+        copy_unless_there(slot_o[:, self.q0:self.q1], o)
+        copy_unless_there(slot_l[:, :, self.q0:self.q1], l)
 
     def backward(self, backend, dout, q, k, v, out, lse, base):
         r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
@@ -82,6 +79,12 @@ class Block:
         hi = math.inf if right is None else shift + right
         return sum(max(0, min(n - 1, i + hi) - max(0, i + lo) + 1) for i in range(m)) if (
             left is not None or right is not None) else m * n
+
+
+def copy_unless_there(dst, src) -> None:
+    """``dst.copy_(src)`` unless ``src`` already is ``dst`` (a backend that honoured ``out=``)."""
+    if src.data_ptr() != dst.data_ptr():
+        dst.copy_(src)
 
 
 def global_band(causal: bool, window: tuple[int | None, int | None]) -> tuple[float, float]:

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import merge_lse_
 from ..kernels.validate import mark_valid
-from .blocks import band_block, global_band
+from .blocks import band_block, copy_unless_there, global_band
 from .memo import cached_method
 from .packing import Packing
 
@@ -91,11 +91,8 @@ class VarlenCall:
         """Put the block result into its rows of a combine slot (the forward wrote it there when q
         is contiguous, unless the backend ignored ``out=``)."""
         if self.q_contiguous:
-            dst_o, dst_l = self._rows(slot_o, "q"), self._rows(slot_l, "q", 1)
-            if o.data_ptr() != dst_o.data_ptr():
-                dst_o.copy_(o)
-            if l.data_ptr() != dst_l.data_ptr():
-                dst_l.copy_(l)
+            copy_unless_there(self._rows(slot_o, "q"), o)
+            copy_unless_there(self._rows(slot_l, "q", 1), l)
             return
         idx = self._meta(slot_o.device)[4]
         slot_o.index_copy_(0, idx, o.to(slot_o.dtype))
