@@ -304,3 +304,31 @@ def test_torch211_dummy_input_and_host_inputs_released(monkeypatch):
     assert ckpt.rebuilds == 4  # one rebuilt input per group of two
     assert taken and max(taken) == 0, taken  # every copied-back input is held by autograd alone
     assert not ckpt._heads and not ckpt._fns
+
+
+@pytest.mark.parametrize("plan", [OffloadPlan(("host",) * 4),
+                                  OffloadPlan(("host", "rebuild", "gpu", "rebuild"), group=2)])
+def test_forward_frees_inputs_not_kept_on_the_gpu(plan):
+    """After the forward only the inputs placed on the GPU (and group heads placed there) are still
+    alive: host-held and rebuilt inputs are not pinned by the hooks (they once were, through the
+    pack hook's closure, which autograd keeps as long as the saved tensor)."""
+    import gc
+    import weakref
+
+    from ringfa4.memory import LayerCheckpointing
+
+    rhf.register(ringfa4.ContextParallel(backend="reference"))
+    model = _model(layers=4)
+    model.set_attn_implementation(rhf.NAME)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    LayerCheckpointing(model.model.layers, plan=plan).install()
+    inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda mod, a, kw: inputs.append(weakref.ref(a[0] if a else kw["hidden_states"])), with_kwargs=True)
+    ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    gc.collect()
+    alive = [ref() is not None for ref in inputs]
+    assert alive == [p == "gpu" for p in plan.places], (alive, plan.places)
+    loss.backward()

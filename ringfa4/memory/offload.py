@@ -114,9 +114,12 @@ class _Raw:
 
 
 def _only_input(x: torch.Tensor, pack, unpack):
-    """Hooks that apply ``pack`` / ``unpack`` to the layer input ``x`` only."""
+    """Hooks that apply ``pack`` / ``unpack`` to the layer input ``x`` only. They keep no reference
+    to ``x``: autograd holds the hooks as long as the saved tensor, which would pin ``x`` on the GPU."""
+    ptr, numel = x.data_ptr(), x.numel()
+
     def pack_input(t):
-        same = t.numel() == x.numel() and t.numel() > 0 and t.data_ptr() == x.data_ptr()
+        same = numel > 0 and t.numel() == numel and t.data_ptr() == ptr
         return pack(t) if same else _Raw(t)
 
     def unpack_input(h):
