@@ -16,7 +16,10 @@ KEEP = ("ringfa4/", "transformers/", "peft/", "flash_attn/")
 
 
 def start(max_entries: int = 500_000) -> None:
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Stacks of allocations only: gathering a Python stack at a free that happens while an exception
+    # unwinds (checkpoint's early stop raises one in a pack hook) lost that exception on torch 2.11
+    # ("apply returned NULL without setting an exception").
+    torch.cuda.memory._record_memory_history(context="alloc", max_entries=max_entries)
 
 
 def snapshot() -> dict:
