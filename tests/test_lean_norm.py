@@ -19,8 +19,14 @@ def _norm(dtype, seed=0):
     return m
 
 
+@pytest.mark.parametrize("rows_per_slice", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_lean_rmsnorm_matches_transformers(dtype):
+def test_lean_rmsnorm_matches_transformers(dtype, rows_per_slice, monkeypatch):
+    """Also with the rows in slices of 5 (74 rows: 15 slices, the last one short)."""
+    from ringfa4.memory import lean_norm
+
+    if rows_per_slice:
+        monkeypatch.setattr(lean_norm, "SLICE_ELEMENTS", 64 * rows_per_slice)
     ref = _norm(dtype)
     x = (torch.randn(2, 37, 64, dtype=torch.float64) * 3).to(dtype)
     dy = torch.randn(2, 37, 64, dtype=torch.float64).to(dtype)

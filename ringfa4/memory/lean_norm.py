@@ -4,7 +4,8 @@ transformers' Llama-style RMSNorm computes ``w * (x.float() * rsqrt(mean(x^2) + 
 and autograd keeps the fp32 copy of x: two hidden-size bf16 tensors' worth per norm and token
 (16 GiB a norm at 1M tokens and H = 4096), on top of x itself, which the layer keeps anyway. This
 Function computes the same forward (same ops, same order: identical values) and saves x, the weight
-and the fp32 rstd (one float per token); backward recomputes the fp32 normalization:
+and the fp32 rstd (one float per token); backward recomputes the fp32 normalization. Both run on
+slices of rows, so the fp32 temporaries are a slice's, not the sequence's:
 
     n = x r,   r = (mean(x^2) + eps)^-1/2,   y = w * n.to(x.dtype)
     dL/dw = sum over tokens of dy * n.to(x.dtype)
@@ -27,27 +28,44 @@ __all__ = ["lean_rmsnorm", "lean_rmsnorm_in_place"]
 LLAMA_STYLE = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Phi3RMSNorm")
 
 
+# rows per fp32 slice: the norm runs on slices of the sequence so its fp32 temporaries stay small
+# (over a whole 1M-token sequence at H = 4096 they were 80 GiB of the step's peak)
+SLICE_ELEMENTS = 1 << 25
+
+
+def _row_slices(rows: int, width: int):
+    step = max(1, SLICE_ELEMENTS // max(width, 1))
+    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.to(torch.float32)
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.empty_like(x2)
+        r = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+        for s in _row_slices(*x2.shape):  # rows are independent: the same values as one pass
+            xf = x2[s].to(torch.float32)
+            r[s] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y[s] = weight * (xf * r[s]).to(x.dtype)
         ctx.save_for_backward(x, weight, r)
-        return weight * (xf * r).to(x.dtype)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, r = ctx.saved_tensors
-        xf = x.to(torch.float32)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            n = (xf * r).to(x.dtype)
-            dw = (dy * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            g = (dy * weight).to(x.dtype).to(torch.float32)
-            dx = (g * r - xf * r.pow(3) * (g * xf).mean(-1, keepdim=True)).to(x.dtype)
-        return dx, dw, None
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = torch.empty_like(x2) if want_dx else None
+        dw = torch.zeros(x2.shape[-1], dtype=torch.float32, device=x.device) if want_dw else None
+        for s in _row_slices(*x2.shape):
+            xf, rs = x2[s].to(torch.float32), r[s]
+            if want_dw:
+                dw += (dy2[s] * (xf * rs).to(x.dtype)).sum(0, dtype=torch.float32)
+            if want_dx:
+                g = (dy2[s] * weight).to(x.dtype).to(torch.float32)
+                dx[s] = g * rs - xf * rs.pow(3) * (g * xf).mean(-1, keepdim=True)
+        return (dx.view(x.shape) if want_dx else None), (dw.to(weight.dtype) if want_dw else None), None
 
 
 def lean_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
