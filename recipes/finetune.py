@@ -475,21 +475,12 @@ def dry_run(cfg: dict) -> str:
     return text
 
 
-# what one step holds besides weights and checkpointed inputs (a layer's recomputed activations,
-# their gradients, FA4's fp32 accumulators, the loss chunk): a line through the two clean H200
-# points of benchmarks/capacity.py (Llama-3.1-8B shape, 32k: 16.6 GiB, 256k: 53.3 GiB), i.e. a
-# constant plus this many hidden-size tensors per local token. Those runs had fp32 LoRA factors and
-# transformers' RMSNorm; counting saved tensors on the CPU, bf16 factors keep 7 fewer hidden-size
-# tensors a token and layer, lean norms with the MLP's norm folded into its tiles 3 fewer
-# (estimates until the H200 re-measures them)
-WORKING_SET_CONST_GIB, WORKING_SET_HIDDEN_TENSORS = 11.4, 21
-SAVED_BY_MODEL_DTYPE_LORA, SAVED_BY_LEAN_NORMS = 7, 3
-
-
 def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) -> dict:
     """Per-rank GPU memory of one step in bytes: weights, trainable state, checkpointed inputs kept
-    on the GPU (and on the host), cached attention outputs, one layer's working set, logits."""
+    on the GPU (and on the host), cached attention outputs, one layer's working set (the formula
+    measured on the H200: ringfa4.memory.estimate), logits."""
     from ringfa4.memory import plan_offload
+    from ringfa4.memory.estimate import StepMemory, step_peak_bytes
 
     t = cfg["train"]
     H, L, V = mc.hidden_size, mc.num_hidden_layers, mc.vocab_size
@@ -505,15 +496,14 @@ def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: dict) 
         gib = [None if x is None else x * 2**30 for x in (opts.gpu_budget_gib, opts.host_budget_gib)]
         plan = plan_offload(L, layer_in, *gib, group=opts.group)
         c = plan.counts()
-        out["inputs_gpu"] = (c["gpu"] + plan.group - 1) * layer_in
-        out["inputs_host"] = c["host"] * layer_in
         heads = mc.num_attention_heads
         d = getattr(mc, "head_dim", None) or H // heads
-        out["cached_attention"] = L * n * heads * (d * b + 4) if opts.cache_attention else 0
+        est = step_peak_bytes(StepMemory(
+            tokens=n, hidden=H, dtype_bytes=b, state_bytes=state, gpu=c["gpu"], host=c["host"], group=plan.group,
+            lora_fp32=bool(t["lora_r"]) and t["lora_dtype"] != "model", plain_norms=not t["lean_norms"],
+            cached_attention_bytes=L * n * heads * (d * b + 4) if opts.cache_attention else 0))
+        out.update({k: est[k] for k in ("inputs_gpu", "inputs_host", "cached_attention", "working_set")})
         out["plan"] = f"{c['gpu']} GPU, {c['host']} host, {c['rebuild']} rebuilt (group {plan.group})"
-        units = WORKING_SET_HIDDEN_TENSORS - (SAVED_BY_LEAN_NORMS if t["lean_norms"] else 0) - (
-            SAVED_BY_MODEL_DTYPE_LORA if t["lora_r"] and t["lora_dtype"] == "model" else 0)
-        out["working_set"] = WORKING_SET_CONST_GIB * 2**30 + units * n * H * b
     else:
         out["activations"] = 16 * n * H * b * L
         out["plan"] = "no checkpointing"
