@@ -4,7 +4,8 @@
 #   kernels   GPU tests of the CuTe combine, the fp32-output FA4 forward, offload, merge paths (~3 min)
 #   ring      where a ring step's time goes; slots / fp32 partials / bf16 dK/dV wire: speed and precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
-#   recipe    llama3_8b_1xh200.toml, one 32k document a step, vs plain transformers (~3 min)
+#   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
+#   recipe    llama3_8b_1xh200.toml, one 32k document a step, vs plain transformers (~8 min: 600 s call)
 # JSON lands in ${OUT:-bench_results}.
 set -uo pipefail
 out=${OUT:-bench_results}
@@ -28,6 +29,10 @@ case "${1:-}" in
   capacity)
     python3 benchmarks/capacity.py --mode ringfa4 --layers 2 --seqs 524288,1048576 --gpu-budget-gib 8.5 \
       --host-budget-gib 9 --group 2 --no-warm --memory-trace --out "$out/capacity_2l_512k_1m.json" | tail -40
+    ;;
+  fulldepth)
+    python3 benchmarks/capacity.py --mode ringfa4 --layers 32 --seqs 262144 --gpu-budget-gib 48 \
+      --host-budget-gib 90 --no-warm --shares --out "$out/capacity_32l_256k_lean.json" | tail -6
     ;;
   recipe)
     torchrun --standalone --nproc-per-node 1 recipes/finetune.py recipes/configs/llama3_8b_1xh200.toml \

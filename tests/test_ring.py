@@ -278,6 +278,23 @@ def test_fp32_partials_remove_the_rounding_between_steps(P, slots, monkeypatch):
     assert errs["1"] < errs["0"], (errs, e_full)
 
 
+def test_fp32_partials_default_auto(monkeypatch):
+    """Unset (auto) on the CPU equals RINGFA4_FP32_PARTIALS=1 bit for bit; a bad value names the
+    variable."""
+    from ringfa4.parallel.executor import fp32_partials
+
+    q, k, v, _ = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.bfloat16, seed=2)
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+    monkeypatch.delenv("RINGFA4_FP32_PARTIALS", raising=False)
+    assert fp32_partials(torch.device("cpu")) and fp32_partials()
+    auto = ringfa4.attention(q, k, v, cp=cp, causal=True)
+    monkeypatch.setenv("RINGFA4_FP32_PARTIALS", "1")
+    assert torch.equal(auto, ringfa4.attention(q, k, v, cp=cp, causal=True))
+    monkeypatch.setenv("RINGFA4_FP32_PARTIALS", "yes")
+    with pytest.raises(ValueError, match="RINGFA4_FP32_PARTIALS"):
+        ringfa4.attention(q, k, v, cp=cp, causal=True)
+
+
 def test_dkv_on_the_wire_in_the_input_dtype(monkeypatch):
     """RINGFA4_DKV_WIRE=input: dK/dV travel (and accumulate) in bf16; fp32 (default) keeps their
     error flat in P. Both run; the bf16 wire is the less accurate one at P = 16."""

@@ -246,7 +246,8 @@ class ContextParallel:
         ranks = tuple(range(self.world_size)) if self.is_simulated else (self.rank,)
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
-        return RingRun(schedule, ranks, backend, base, self.transport, ring_slots(), fp32_partials(), dkv_wire_fp32())
+        return RingRun(schedule, ranks, backend, base, self.transport, ring_slots(), fp32_partials(q.device),
+                       dkv_wire_fp32())
 
     # per-rank views for the simulated executor
     def _split(self, x: torch.Tensor, packing: Packing | None = None, dim: int | None = None) -> list[torch.Tensor]:
