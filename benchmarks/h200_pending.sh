@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs the open issues still need, in stages that each fit one device call (< 10 min).
 # On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
-#   kernels   GPU tests of the CuTe combine, the fp32-output FA4 forward, offload, merge paths (~3 min)
-#   ring      where a ring step's time goes; slots / fp32 partials / bf16 dK/dV wire: speed and precision
+#   kernels   GPU tests: FA4 backward into fp32 accumulators (RINGFA4_FP32_GRADS), the ring on it, the
+#             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
+#   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
 #   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
 #   recipe    llama3_8b_1xh200.toml, one 32k document a step, vs plain transformers (~8 min: 600 s call)
@@ -12,19 +13,19 @@ out=${OUT:-bench_results}
 mkdir -p "$out"
 case "${1:-}" in
   kernels)
-    python3 -m pytest -m gpu -q tests/test_cute_combine.py tests/test_fa4_fp32.py tests/test_offload.py \
-      tests/test_cute_merge.py tests/test_ring_gpu.py tests/test_packing_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -40
+    python3 -m pytest -m gpu -q tests/test_fa4_bwd_accum.py tests/test_ring_gpu.py tests/test_cute_combine.py \
+      tests/test_fa4_fp32.py tests/test_offload.py tests/test_cute_merge.py tests/test_packing_gpu.py 2>&1 \
+      | grep -E "passed|failed|^E " | head -40
     ;;
   ring)
     python3 benchmarks/ring_profile.py --seq 65536 --world 8 --out "$out/ring_profile_64k_p8.json" | tail -22
-    for env in "RINGFA4_RING_SLOTS=0" "RINGFA4_RING_SLOTS=8" "RINGFA4_FP32_PARTIALS=1" \
-               "RINGFA4_FP32_PARTIALS=1 RINGFA4_RING_SLOTS=8" "RINGFA4_DKV_WIRE=input"; do
+    for env in "RINGFA4_FP32_GRADS=0" "RINGFA4_FP32_GRADS=1" "RINGFA4_FP32_GRADS=1 RINGFA4_RING_SLOTS=8"; do
       tag=$(echo "$env" | tr ' =' '__')
       echo "== $env"
       env $env python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --out "$out/ring_sim_$tag.json" | tail -3
     done
-    RINGFA4_FP32_PARTIALS=1 python3 benchmarks/ring_precision.py --worlds 2,8,32 \
-      --out "$out/ring_precision_fp32_partials.json" | tail -6
+    RINGFA4_FP32_GRADS=1 python3 benchmarks/ring_precision.py --worlds 8,32 \
+      --out "$out/ring_precision_fp32_grads.json" | tail -5
     ;;
   capacity)
     python3 benchmarks/capacity.py --mode ringfa4 --layers 2 --seqs 524288,1048576 --gpu-budget-gib 8.5 \

@@ -278,6 +278,59 @@ def test_fp32_partials_remove_the_rounding_between_steps(P, slots, monkeypatch):
     assert errs["1"] < errs["0"], (errs, e_full)
 
 
+@pytest.mark.parametrize("P", [8, 32])
+@pytest.mark.parametrize("slots", [0, 4])
+def test_ring_lse_as_accurate_as_one_call(P, slots, monkeypatch):
+    """bf16 inputs, reference backend: the ring's lse is kept in float64 across steps and rounded
+    once, so its error is at most one full call's (the fp32 merges alone gave 2.1x at P = 32)."""
+    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
+    S = 2 * P * 32
+    q, k, v, _ = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=P + 1)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    exact = get_backend("reference", compute_dtype=torch.float64).forward(
+        qb.double(), kb.double(), vb.double(), AttnSpec(causal=True))[1]
+    full = get_backend("reference").forward(qb, kb, vb, AttnSpec(causal=True))[1]
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
+    lse = ringfa4.attention(qb, kb, vb, cp=cp, causal=True, return_lse=True)[1]
+    assert lse.dtype == torch.float32
+    assert rel_err(lse, exact) <= rel_err(full, exact), (rel_err(lse, exact), rel_err(full, exact))
+
+
+@pytest.mark.parametrize("P,h_kv,kw", [(16, 2, {"causal": True}), (8, 4, {"causal": True, "window": (40, 0)}),
+                                         (4, 2, {"softcap": 3.0})])
+def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
+    """RINGFA4_FP32_GRADS=1 (reference backend's AccumBackward): no block gradient is rounded to
+    bf16, so dq / dk / dv are as accurate as one full call (rounded once) and more accurate than
+    with bf16 block gradients; the switch off gives the old path bit for bit."""
+    S = 2 * P * 24
+    q, k, v, do = random_qkv(1, S, S, 4, h_kv, 32, dtype=torch.float64, seed=P + h_kv)
+    qb, kb, vb, dob = (t.to(torch.bfloat16) for t in (q, k, v, do))
+    ref = reference_grads(qb, kb, vb, dob, **kw)[2:]
+    be = get_backend("reference")
+    o, l = be.forward(qb, kb, vb, AttnSpec(**kw))
+    full = be.backward(dob, qb, kb, vb, o, l, AttnSpec(**kw))
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
+
+    def grads():
+        x = [t.clone().requires_grad_() for t in (qb, kb, vb)]
+        ringfa4.attention(*x, cp=cp, **kw).backward(dob)
+        return [t.grad for t in x]
+
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
+    bf16 = grads()
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+    fp32 = grads()
+    for name, a, b, f, r in zip("qkv", fp32, bf16, full, ref):
+        e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
+        assert e32 <= 1.02 * ef, (name, e32, ef)
+        assert e32 < e16, (name, e32, e16)
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
+    assert all(torch.equal(a, b) for a, b in zip(grads(), bf16))
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "yes")
+    with pytest.raises(ValueError, match="RINGFA4_FP32_GRADS"):
+        grads()
+
+
 def test_fp32_partials_default_auto(monkeypatch):
     """Unset (auto) on the CPU equals RINGFA4_FP32_PARTIALS=1 bit for bit; a bad value names the
     variable."""

@@ -76,3 +76,25 @@ def test_hybrid_bf16_matches_float64(P, U, h_kv):
     for name, x, r, e0 in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
         err = rel_err(x, r)
         assert err <= 2 * e0 + 1e-3, f"P={P} U={U} {name}: {err:.3g} vs full-sequence {e0:.3g}"
+
+
+@pytest.mark.parametrize("h_kv", [8, 2])
+def test_ring_fp32_block_gradients_fa4(h_kv, monkeypatch):
+    """RINGFA4_FP32_GRADS=1 on the fa4 backend (sm90: kernels/fa4_bwd_accum.py): P = 16 causal ring
+    gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
+    accurate as with bf16 block gradients."""
+    P = 16
+    q, k, v, do = random_qkv(1, 8192, 8192, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
+    ref = reference_grads(q, k, v, do, causal=True)
+    be = get_backend("fa4")
+    o, l = be.forward(q, k, v, AttnSpec(causal=True))
+    full = be.backward(do, q, k, v, o, l, AttnSpec(causal=True))
+    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
+    bf16 = _run(cp, q, k, v, do, causal=True)[2:]
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+    fp32 = _run(cp, q, k, v, do, causal=True)[2:]
+    for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
+        e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
+        assert e32 <= 1.1 * ef, (name, e32 / ef, e16 / ef)
+        assert e32 <= e16 * 1.001, (name, e32, e16)

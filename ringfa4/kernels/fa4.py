@@ -159,3 +159,36 @@ class Fa4Backend:
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
+
+    def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       spec: AttnSpec) -> _Fa4Accum | None:
+        """FA4's backward with fp32 dq / dk / dv across a ring (``fa4_bwd_accum``: one preprocess,
+        dq reduce-added into one fp32 accumulator, one postprocess); None where it cannot run
+        (not sm90, varlen, deterministic, head dims it does not cover)."""
+        from . import fa4_bwd_accum as acc
+
+        if spec.varlen or q.dim() != 4 or spec.deterministic or q.device.type != "cuda" or q.dtype not in _DTYPES:
+            return None
+        if not acc.can_implement(acc._arch(), q.dtype, q.shape[-1], out.shape[-1]):
+            return None
+        return _Fa4Accum(acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(q.shape[-1]),
+                                     softcap=float(spec.softcap)))
+
+
+class _Fa4Accum:
+    """AccumBackward over :mod:`.fa4_bwd_accum` (see there)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                  dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+        from . import fa4_bwd_accum as acc
+
+        acc.accumulate(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
+                       window=(spec.window_left, spec.window_right))
+
+    def dq(self) -> torch.Tensor:
+        from . import fa4_bwd_accum as acc
+
+        return acc.finish(self.state, torch.float32)

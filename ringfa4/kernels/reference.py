@@ -113,7 +113,7 @@ class ReferenceBackend:
         if groups > 1:
             dk = dk.view(b, -1, h_kv, groups, d).sum(3)
             dv = dv.view(b, -1, h_kv, groups, v.shape[-1]).sum(3)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk, dv  # in the compute dtype
 
     # -- varlen: one dense call per document ------------------------------------------------
     @staticmethod
@@ -153,7 +153,8 @@ class ReferenceBackend:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         validate_block(q, k, v, spec)
         if not spec.varlen:
-            return self._backward_dense(dout, q, k, v, out, lse, spec)
+            dq, dk, dv = self._backward_dense(dout, q, k, v, out, lse, spec)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         docs, dense = self._docs(spec)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for a, b, c, e in docs:
@@ -162,3 +163,31 @@ class ReferenceBackend:
                                          out[None, a:b], lse[None, :, a:b], dense)
                 dq[a:b], dk[c:e], dv[c:e] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+    def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       spec: AttnSpec) -> _ReferenceAccum | None:
+        """Dense q only: block gradients stay in the compute dtype (see AccumBackward)."""
+        if spec.varlen or q.dim() != 4:
+            return None
+        return _ReferenceAccum(self, dout, q, out, lse, spec)
+
+
+class _ReferenceAccum:
+    """AccumBackward of the reference backend: each block's gradients in the compute dtype."""
+
+    def __init__(self, backend: ReferenceBackend, dout, q, out, lse, spec: AttnSpec) -> None:
+        self.backend, self.dout, self.q, self.out, self.lse = backend, dout, q, out, lse
+        self.acc = torch.zeros(q.shape, dtype=backend._dtype(q), device=q.device)
+
+    def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                  dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+        r = slice(q0, q1)
+        validate_block(self.q[:, r], k, v, spec)
+        dq, dk, dv = self.backend._backward_dense(self.dout[:, r], self.q[:, r], k, v, self.out[:, r],
+                                                  self.lse[:, :, r], spec)
+        self.acc[:, r] += dq
+        dk_acc += dk
+        dv_acc += dv
+
+    def dq(self) -> torch.Tensor:
+        return self.acc

@@ -84,6 +84,12 @@ class FallbackBackend:
     def backward(self, dout, q, k, v, out, lse, spec: AttnSpec):
         return self._first("backward", dout, q, k, v, out, lse, spec)
 
+    def begin_backward(self, dout, q, out, lse, spec: AttnSpec):
+        """The first backend's AccumBackward, or None (a later backend of the chain, which runs
+        only calls the first refuses, is not asked: it would take over every block)."""
+        begin = getattr(self.chain[0], "begin_backward", None)
+        return begin(dout, q, out, lse, spec) if begin is not None else None
+
 
 @functools.cache
 def _cached(name: str, options: tuple) -> BlockBackend:

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttnSpec", "BackendUnsupported", "BlockBackend", "allowed_band", "band_mask"]
+__all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "allowed_band", "band_mask"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -142,6 +142,9 @@ class BlockBackend(Protocol):
     backward(dout, q, k, v, out, lse, spec) -> (dq, dk, dv)
         Gradients of this block given the *global* merged ``out`` and ``lse`` of the rows (exact
         for ring steps); returned in the inputs' dtype, never accumulated into anything.
+
+    Optional, for ring backwards that keep block gradients in fp32 (see :class:`AccumBackward`):
+    begin_backward(dout, q, out, lse, spec) -> AccumBackward | None
     """
 
     name: str
@@ -153,3 +156,21 @@ class BlockBackend(Protocol):
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class AccumBackward(Protocol):
+    """One ring backward's accumulating state over a rank's dense ``q (b, s_q, h, d)``, made by a
+    backend's optional ``begin_backward(dout, q, out, lse, spec)`` (None where it cannot).
+
+    add_block(q0, q1, k, v, spec, dk_acc, dv_acc)
+        Rows ``[q0, q1)`` of q against ``k, v (b, s_k, h_kv, d)`` with the block's ``spec``
+        (causal / window on the sub-block): dq adds into the state, dk / dv into the fp32 (fp64
+        for fp64 inputs) accumulators ``dk_acc, dv_acc`` like k (views allowed); no block gradient
+        is rounded to the inputs' dtype.
+    dq() -> the accumulated dq, fp32 (fp64 for fp64 inputs), ``(b, s_q, h, d)``.
+    """
+
+    def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                  dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None: ...
+
+    def dq(self) -> torch.Tensor: ...

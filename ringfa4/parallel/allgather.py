@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import band_block, global_band
+from .executor import ExactLse
 from .memo import cached_method
 from .packing import Packing
 from .varlen import PackSchedule, VarlenCall
@@ -102,9 +103,12 @@ def allgather_forward(run, qs, ks, vs):
         acc = torch.zeros(q.shape[:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
         scratch = (torch.empty_like(acc, dtype=acc.dtype if run.fp32_partials else q.dtype), torch.empty_like(lse))
+        exact = ExactLse([lse])
         for call in run.schedule.blocks(r):
             o, l = call.forward(run.backend, q, *kv[i], run.spec, *scratch)
             call.merge(acc, lse, o, l)
+            exact.add(0, call, l)
+        exact.finish()
         outs.append(acc.to(q.dtype))
         lses.append(lse)
     return outs, lses

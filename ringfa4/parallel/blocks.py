@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ..kernels import merge_lse_
 from .memo import cached_method
 
@@ -51,11 +53,22 @@ class Block:
     def merge(self, out_acc, lse_acc, o, l) -> None:
         merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
 
+    def add_lse(self, lse_exact, l) -> None:
+        """``lse_exact`` (float64) rows of this block ``<- logaddexp(them, l)``."""
+        rows = lse_exact[:, :, self.q0:self.q1]
+        torch.logaddexp(rows, l, out=rows)
+
     def place(self, slot_o, slot_l, o, l) -> None:
         """Put the block result into its rows of a combine slot (where the forward wrote it unless
         the backend ignored ``out=``)."""
         copy_unless_there(slot_o[:, self.q0:self.q1], o)
         copy_unless_there(slot_l[:, :, self.q0:self.q1], l)
+
+    def accumulate(self, state, k, v, base, dk_acc, dv_acc) -> None:
+        """This block's gradients through an AccumBackward ``state``: dq into the state, dk / dv
+        into the block's columns of the fp32 ``dk_acc, dv_acc``."""
+        c = slice(self.k0, self.k1)
+        state.add_block(self.q0, self.q1, k[:, c], v[:, c], self.spec(base), dk_acc[:, c], dv_acc[:, c])
 
     def backward(self, backend, dout, q, k, v, out, lse, base):
         r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)

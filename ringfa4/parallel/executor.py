@@ -22,7 +22,8 @@ from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["RingRun", "dkv_wire_fp32", "fp32_partials", "ring_backward", "ring_forward", "ring_slots"]
+__all__ = ["ExactLse", "RingRun", "dkv_wire_fp32", "fp32_grads", "fp32_partials", "ring_backward", "ring_forward",
+           "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class RingRun:
     slots: int = 0  # 0: merge each block into the accumulator; n > 0: keep n block outputs, combine once
     fp32_partials: bool = False  # block outputs in fp32 (no rounding to q's dtype before the merge)
     dkv_wire_fp32: bool = True  # dK/dV accumulate and travel in fp32 (False: in k's dtype, half the bytes)
+    fp32_grads: bool = False  # block gradients never rounded to the inputs' dtype (backend.begin_backward)
 
     @property
     def active_steps(self) -> int:
@@ -60,6 +62,17 @@ def fp32_partials(device: torch.device | None = None) -> bool:
         raise ValueError(f"RINGFA4_FP32_PARTIALS must be 0, 1 or auto, got {raw!r}")
     if raw == "auto":
         return not (device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10)
+    return raw == "1"
+
+
+def fp32_grads() -> bool:
+    """``RINGFA4_FP32_GRADS=1``: ring backwards keep every block's dq / dk / dv in fp32 through the
+    backend's ``begin_backward`` (FA4 on sm90: its fp32 accumulators carried across steps, one
+    pre- and postprocess per backward; reference: its compute dtype), where the backend offers it
+    for the call; needs the fp32 dK/dV wire. Off by default until the FA4 path has run on the H200."""
+    raw = os.environ.get("RINGFA4_FP32_GRADS", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"RINGFA4_FP32_GRADS must be 0 or 1, got {raw!r}")
     return raw == "1"
 
 
@@ -183,6 +196,27 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     return [o.to(q.dtype) for o, q in zip(outs, qs)], lses
 
 
+class ExactLse:
+    """The running log-sum-exp of each rank's blocks in float64, next to the fp32 accumulator the
+    merges use for their weights. The fp32 merges round their lse once per block (at P = 32 ring
+    lse error came to 1.3x one full call's on the H200, 2.1x with the CPU reference); this one is
+    rounded once, when ``finish`` writes it into ``lses``. One small kernel per block."""
+
+    def __init__(self, lses: list[torch.Tensor]) -> None:
+        self.lses = lses
+        self.exact = [None if l.dtype == torch.float64 else torch.full_like(l, -math.inf, dtype=torch.float64)
+                      for l in lses]
+
+    def add(self, i: int, blk, l: torch.Tensor) -> None:
+        if self.exact[i] is not None:
+            blk.add_lse(self.exact[i], l)
+
+    def finish(self) -> None:
+        for lse, exact in zip(self.lses, self.exact):
+            if exact is not None:
+                lse.copy_(exact)
+
+
 class _StepMerge:
     """Each block's output lands in one scratch and merges into the fp32 accumulator at once (the
     first block over all rows is copied instead)."""
@@ -196,6 +230,7 @@ class _StepMerge:
                                      q.new_empty(_lse_shape(q), dtype=lse_dtype))
         self.scratch = [by_shape[q.shape] for q in qs]
         self.fresh = [True] * len(qs)
+        self.exact = ExactLse(lses)
 
     def target(self, i: int):
         return self.scratch[i]
@@ -207,9 +242,10 @@ class _StepMerge:
         else:
             blk.merge(self.outs[i], self.lses[i], o, l)
         self.fresh[i] = False
+        self.exact.add(i, blk, l)
 
     def finish(self) -> None:
-        pass
+        self.exact.finish()
 
 
 class _SlotCombine:
@@ -223,6 +259,7 @@ class _SlotCombine:
         self.lse_parts = [torch.full((slots,) + _lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device)
                           for q in qs]
         self.used = [0] * len(qs)
+        self.exact = ExactLse(lses)
 
     def target(self, i: int):
         u = self.used[i]
@@ -231,6 +268,7 @@ class _SlotCombine:
     def add(self, i: int, blk, o, l, rows: int) -> None:
         u = self.used[i]
         blk.place(self.parts[i][u], self.lse_parts[i][u], o, l)
+        self.exact.add(i, blk, l)
         self.used[i] = u + 1
         if self.used[i] == self.n:
             self._combine(i)
@@ -245,6 +283,7 @@ class _SlotCombine:
     def finish(self) -> None:
         for i in range(len(self.outs)):
             self._combine(i)
+        self.exact.finish()
 
 
 def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor], ks: list[torch.Tensor],
@@ -259,7 +298,9 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     kv_nxt = [bufs.empty(k.device) for k in ks]
     dkv_cur = [gbufs.zeros(k.device) for k in ks]
     dkv_nxt = [gbufs.empty(k.device) for k in ks]
-    dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+    states = _accum_states(run, douts, qs, outs, lses, acc)
+    dqs = [None if st is not None else torch.zeros(q.shape, dtype=acc, device=q.device) for st, q in zip(states, qs)]
+    scratch = [None if st is None else gbufs.empty(k.device) for st, k in zip(states, ks)]
     dkv_handle = None
     for t in range(steps):
         kv_handle = run.transport.shift(kv_cur, kv_nxt, 1) if t + 1 < steps else None
@@ -268,10 +309,17 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
             src_rows = _rows(run, run.schedule.source(r, t, world), ks[i])
             k_t, v_t = bufs.view(kv_cur[i], src_rows)
             mine = []
-            for blk in run.schedule.blocks(r, t):
-                dq, dk, dv = blk.backward(run.backend, douts[i], qs[i], k_t, v_t, outs[i], lses[i], run.spec)
-                blk.add_dq(dqs[i], dq)
-                mine.append((blk, dk, dv))
+            blocks = run.schedule.blocks(r, t)
+            if states[i] is not None and blocks:  # fp32 block gradients: dK/dV of this step in a scratch
+                dk_s, dv_s = gbufs.view(scratch[i].zero_(), src_rows)
+                for blk in blocks:
+                    blk.accumulate(states[i], k_t, v_t, run.spec, dk_s, dv_s)
+                mine.append((None, dk_s, dv_s))
+            else:
+                for blk in blocks:
+                    dq, dk, dv = blk.backward(run.backend, douts[i], qs[i], k_t, v_t, outs[i], lses[i], run.spec)
+                    blk.add_dq(dqs[i], dq)
+                    mine.append((blk, dk, dv))
             grads.append(mine)
             held.append(src_rows)
         if dkv_handle is not None:  # dK/dV of the K/V we hold, accumulated by the ranks before us
@@ -280,7 +328,11 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         for i, mine in enumerate(grads):
             dk_acc, dv_acc = gbufs.view(dkv_cur[i], held[i])
             for blk, dk, dv in mine:
-                blk.add_dkv(dk_acc, dv_acc, dk, dv)
+                if blk is None:
+                    dk_acc += dk
+                    dv_acc += dv
+                else:
+                    blk.add_dkv(dk_acc, dv_acc, dk, dv)
         # pass the dK/dV on with the K/V; after the last step, straight to the owner
         offset = 1 if t + 1 < steps else (world - steps + 1) % world
         dkv_handle = run.transport.shift(dkv_cur, dkv_nxt, offset) if offset else None
@@ -295,4 +347,14 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         dk, dv = gbufs.view(dkv_cur[i], _rows(run, r, ks[i]))
         dks.append(dk.to(ks[i].dtype))
         dvs.append(dv.to(vs[i].dtype))
+    dqs = [st.dq() if st is not None else dq for st, dq in zip(states, dqs)]
     return [dq.to(q.dtype) for dq, q in zip(dqs, qs)], dks, dvs
+
+
+def _accum_states(run: RingRun, douts, qs, outs, lses, acc: torch.dtype) -> list:
+    """Per local rank, the backend's AccumBackward state when ``run.fp32_grads`` asks for one and
+    the backend offers it for these inputs (dense, fp32 dK/dV wire), else None."""
+    begin = getattr(run.backend, "begin_backward", None)
+    if not run.fp32_grads or begin is None or not run.dkv_wire_fp32 or qs[0].dim() != 4:
+        return [None] * len(qs)
+    return [begin(do, q, o, lse, run.spec) for do, q, o, lse in zip(douts, qs, outs, lses)]

@@ -87,6 +87,15 @@ class VarlenCall:
         out_acc.index_copy_(0, idx, acc_o)
         lse_acc.index_copy_(1, idx, acc_l)
 
+    def add_lse(self, lse_exact, l) -> None:
+        """``lse_exact`` (float64, ``(h, t)``) rows of this block ``<- logaddexp(them, l)``."""
+        if self.q_contiguous:
+            rows = self._rows(lse_exact, "q", 1)
+            torch.logaddexp(rows, l, out=rows)
+            return
+        idx = self._meta(lse_exact.device)[4]
+        lse_exact.index_copy_(1, idx, torch.logaddexp(lse_exact.index_select(1, idx), l))
+
     def place(self, slot_o, slot_l, o, l) -> None:
         """Put the block result into its rows of a combine slot (the forward wrote it there when q
         is contiguous, unless the backend ignored ``out=``)."""

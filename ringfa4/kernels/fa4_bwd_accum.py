@@ -1,0 +1,370 @@
+"""FlashAttention-4 backward accumulated in float32 across ring steps (one preprocess, one postprocess).
+
+A ring backward runs FA4's backward once per (q-block, kv-block) pair with the same q, out, dout and
+final lse. ``_flash_attn_bwd`` would run its preprocess (D = rowsum(dO * O), lse * log2(e), zeroing
+the fp32 ``dq_accum``) and its postprocess (fp32 accumulators -> bf16) on every step, and hand back
+bf16 block gradients. Here FA4's own compiled kernels are called directly:
+
+* :func:`prepare` runs FA4's preprocess (``interface._bwd_preprocess``) once over the whole local q;
+  the state holds ``dq_accum (b, h, s_q_r * d_r)``, ``dpsum`` / ``lse_log2 (b, h, s_q_r)`` float32
+  in FA4's layout (``s_q_r``: s_q rounded up to tile_m; ``d_r``: d rounded up to 32, 64 with
+  dKV_swapAB). ``dq_accum`` is FA4-internal: per tile_m rows one tile of tile_m * d_r floats in the
+  dQ MMA's register order, split per warp group.
+* :func:`accumulate` runs FA4's sm90 main kernel (``FlashAttentionBackwardSm90``) for one block:
+  dQ is reduce-added (``cp.reduce.async.bulk .add.f32``) into the state's ``dq_accum`` rows of the
+  block, dK / dV are reduce-added into fp32 ``(b, h_kv, s_k_r * d_r)`` buffers (FA4's GQA layout,
+  tile_n rows per tile, register order), which are then gathered into the caller's fp32
+  ``(b, s_k, h_kv, d)`` accumulators. MHA: FA4 selects the fp32 dK/dV path only through
+  ``qhead_per_kvhead > 1`` (compile-time; ``dKV_swapAB`` merely changes the MMA orientation and
+  still stores bf16 through TMA), so :class:`_Sm90MhaAccum` is built with ``qhead_per_kvhead=2``
+  and hands the kernel's ``load`` / ``epilogue_dKV`` a kv-head divisor of 1.
+* :func:`finish` runs FA4's dQ postprocess once (bf16 / fp16 dq), or gathers fp32 dq.
+
+The tile orders are read from FA4's postprocess itself: run once per layout on a tile whose
+entries encode their own index (base-256 digits, exact in 16-bit floats), the postprocess tells
+where each (row, column) lives. A block's q range is widened down to a tile_m boundary with the
+extra rows (and rows past the block inside its last tile) given ``lse_log2 = +inf``: their P, and so
+their dS, dQ, dK, dV contributions, are exactly 0, and bottom-right causal / window alignment is
+unchanged. All blocks of a state share one tile configuration (FA4's causal sm90 config), so they
+agree on the dq_accum layout.
+
+Supported: sm90 only, dense fp16 / bf16, ``d == d_v`` with d % 8 == 0 in [8, 256] where FA4's
+kernel and accumulator roundings of d agree, causal / windows / softcap, not deterministic.
+sm100: its backward picks 2-CTA tiles (cluster-padded kv), per-config accumulator tile orders and a
+dedicated hd256 kernel without ``dq_accum``; not wired here, :func:`can_implement` is False.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["AccumKey", "BwdAccumState", "accumulate", "add_kv_accum_", "can_implement", "finish", "prepare"]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_BASE = 256  # digit base of the tile-order probe (0..255 are exact in fp16 and bf16)
+
+
+@dataclass(frozen=True)
+class AccumKey:
+    """What one compiled main kernel is specialized on (also its cache key). Window sizes, the
+    softmax scale and all sizes but head_dim are runtime arguments."""
+
+    arch: int
+    dtype: torch.dtype
+    head_dim: int
+    qhead_per_kvhead: int
+    causal: bool
+    local: bool
+    has_window_left: bool
+    has_window_right: bool
+    softcap: float | None
+    broadcast: tuple  # stride-0 dims of q, k, v, dout
+    single_q_block: bool  # as FA4's key: guards TVM stride specialization of one-tile dims
+    single_k_block: bool
+
+
+def _rup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@functools.cache
+def _config(head_dim: int) -> Any:
+    """FA4's sm90 BwdConfig for this head_dim, its causal variant for every block of a state."""
+    from flash_attn.cute import interface
+
+    return interface._tile_size_bwd_sm90(head_dim, head_dim, True, False)
+
+
+def _hdim_rounding(cfg: Any) -> int:
+    return 64 if cfg.dKV_swapAB else 32  # interface._flash_attn_bwd's accumulator rounding
+
+
+def can_implement(arch: int, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether prepare / accumulate / finish run for this arch (FA4 number: 90, 100...) and shape."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if arch // 10 != 9 or dtype not in _DTYPES or head_dim != head_dim_v:
+        return False
+    if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
+        return False
+    cfg = _config(head_dim)
+    kernel_round = 64 if cfg.dKV_swapAB else 16  # FlashAttentionBackwardSm90.tile_hdim
+    return _rup(head_dim, kernel_round) == _rup(head_dim, _hdim_rounding(cfg)) and cfg.num_wg == 2
+
+
+@functools.cache
+def _mha_class() -> type:
+    """FlashAttentionBackwardSm90 on its GQA (fp32 dK/dV accumulator) path with one q head per kv
+    head: built with qhead_per_kvhead=2, while the kernel's kv-head divisor is 1."""
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+
+    def kv_head_is_q_head(method):
+        sig = inspect.signature(method)
+
+        def wrapper(self, *args, **kwargs):
+            bound = sig.bind(self, *args, **kwargs)
+            bound.arguments["qhead_per_kvhead_divmod"] = 1  # head_idx // 1 at trace time
+            return method(*bound.args, **bound.kwargs)
+
+        return functools.wraps(method)(wrapper)
+
+    class _Sm90MhaAccum(FlashAttentionBackwardSm90):
+        load = kv_head_is_q_head(FlashAttentionBackwardSm90.load)
+        epilogue_dKV = kv_head_is_q_head(FlashAttentionBackwardSm90.epilogue_dKV)
+
+    return _Sm90MhaAccum
+
+
+@dataclass
+class BwdAccumState:
+    """One ring backward's FA4 state (see the module doc). ``q``, ``dout (b, s_q, h, d)`` in the
+    input dtype; ``dq_accum (b, h, s_q_r * d_r)``, ``dpsum``, ``lse_log2 (b, h, s_q_r)`` float32."""
+
+    arch: int
+    q: torch.Tensor
+    dout: torch.Tensor
+    softmax_scale: float
+    softcap: float | None
+    dq_accum: torch.Tensor
+    dpsum: torch.Tensor
+    lse_log2: torch.Tensor
+    scratch: dict = field(default_factory=dict)  # fp32 dK / dV accumulators by shape, reused
+
+    @property
+    def cfg(self) -> Any:
+        return _config(self.q.shape[-1])
+
+    @property
+    def head_dim_rounded(self) -> int:
+        return _rup(self.q.shape[-1], _hdim_rounding(self.cfg))
+
+
+def _arch() -> int:
+    from flash_attn.cute import interface
+
+    return interface._get_device_arch()
+
+
+def _check(t: torch.Tensor, name: str, shape: tuple, dtypes: tuple, device) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes or t.device != device:
+        raise ValueError(f"{name} must be {tuple(shape)} of {dtypes} on {device}, got {tuple(t.shape)} "
+                         f"{t.dtype} on {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have last-dim stride 1, got strides {t.stride()}")
+
+
+def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, *,
+            softmax_scale: float, softcap: float = 0.0, deterministic: bool = False) -> BwdAccumState:
+    """FA4's backward preprocess, once: ``q, out, dout (b, s_q, h, d)`` (out / dout of another float
+    dtype are cast to q's), ``lse (b, h, s_q)`` float32 natural log (the final, merged one)."""
+    if q.dtype not in _DTYPES or q.dim() != 4:
+        raise ValueError(f"q must be (b, s, h, d) fp16/bf16, got {tuple(q.shape)} {q.dtype}")
+    b, s_q, h, d = q.shape
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    _check(out, "out", q.shape, floats, q.device)
+    _check(dout, "dout", q.shape, floats, q.device)
+    _check(lse, "lse", (b, h, s_q), (torch.float32,), q.device)
+    if deterministic:
+        raise ValueError("fa4_bwd_accum has no deterministic mode (dq / dk / dv are atomically reduced)")
+    arch = _arch()
+    if not can_implement(arch, q.dtype, d):
+        raise ValueError(f"fa4_bwd_accum cannot run sm{arch} {q.dtype} head_dim={d} (see can_implement)")
+    from flash_attn.cute import interface
+    from flash_attn.cute.cute_dsl_utils import maybe_contiguous
+    from flash_attn.cute.testing import is_fake_mode
+
+    q, out, dout, lse = (maybe_contiguous(t) for t in (q, out.to(q.dtype), dout.to(q.dtype), lse))
+    cfg = _config(d)
+    d_r, s_r = _rup(d, _hdim_rounding(cfg)), _rup(max(s_q, 1), cfg.m_block_size)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    state = BwdAccumState(arch, q, dout, float(softmax_scale), float(softcap) if softcap else None,
+                          torch.empty(b, h, s_r * d_r, **f32), torch.empty(b, h, s_r, **f32),
+                          torch.empty(b, h, s_r, **f32))
+    if s_q and b:
+        interface._bwd_preprocess(out, dout, state.dpsum, lse, state.lse_log2, state.dq_accum, None, None,
+                                  None, interface.torch2cute_dtype_map[q.dtype], d, d, cfg.m_block_size,
+                                  fake_mode=is_fake_mode(), hdim_multiple_of=_hdim_rounding(cfg))
+    return state
+
+
+_CACHE: dict[AccumKey, Any] = {}
+
+
+def _make_kernel(key: AccumKey) -> Any:
+    from flash_attn.cute import utils
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    from flash_attn.cute.interface import torch2cute_dtype_map
+
+    cfg = _config(key.head_dim)
+    cls = FlashAttentionBackwardSm90 if key.qhead_per_kvhead > 1 else _mha_class()
+    softcap = key.softcap
+    return cls(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, max(2, key.qhead_per_kvhead),
+               key.causal, is_local=key.local, deterministic=False, tile_m=cfg.m_block_size,
+               tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
+               PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
+               dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+               AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
+               score_mod=utils.create_softcap_scoremod(softcap) if softcap else None,
+               score_mod_bwd=utils.create_softcap_scoremod_bwd(softcap) if softcap else None,
+               mask_mod=None, has_aux_tensors=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
+
+
+def _args(tensors: list, scale: float, wl, wr) -> list:
+    """The main kernel's arguments after the kernel object, as _flash_attn_bwd passes them (dense:
+    no varlen, semaphores, aux tensors, block sparsity or tile cumsum; the env stream implicit)."""
+    from flash_attn.cute.utils import AuxData
+
+    q, k, v, do, lse_log2, dpsum, dq_acc, dk_acc, dv_acc = tensors
+    return [q, k, v, do, lse_log2, dpsum, dq_acc, dk_acc, dv_acc, scale, None, None, None, None, wl, wr,
+            None, None, None, AuxData(None, None), None, None]
+
+
+def _compile(key: AccumKey, tensors: list, scale: float, wl, wr) -> Any:
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    args = _args([to_cute_tensor(t) for t in tensors], scale, wl, wr)
+    return cute.compile(_make_kernel(key), *args, stream, options="--enable-tvm-ffi")
+
+
+def _scratch(state: BwdAccumState, shape: tuple, device, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed fp32 dK / dV accumulators in FA4's layout, reused across steps of the same shape."""
+    if shape not in state.scratch:
+        state.scratch[shape] = tuple(torch.empty(shape, dtype=torch.float32, device=device) for _ in "kv")
+    dk, dv = state.scratch[shape]
+    return (dk, dv) if fake else (dk.zero_(), dv.zero_())
+
+
+def accumulate(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_acc: torch.Tensor,
+               dv_acc: torch.Tensor, *, q0: int = 0, q1: int | None = None, causal: bool = False,
+               window: tuple[int | None, int | None] = (None, None)) -> AccumKey | None:
+    """One block: the state's query rows ``[q0, q1)`` against ``k, v (b, s_k, h_kv, d)`` (views of
+    the held kv rows) with FA-convention ``causal`` / ``window`` (bottom-right, None or -1 =
+    unbounded). dQ adds into the state; dK / dV add into ``dk_acc, dv_acc (b, s_k, h_kv, d)``
+    float32 (strided views allowed). Returns the kernel's cache key (None when nothing ran)."""
+    q_all = state.q
+    b, s_q, h, d = q_all.shape
+    q1 = s_q if q1 is None else q1
+    if not 0 <= q0 <= q1 <= s_q:
+        raise ValueError(f"need 0 <= q0 <= q1 <= {s_q}, got q0={q0}, q1={q1}")
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.dtype != q_all.dtype \
+            or v.dtype != q_all.dtype or k.shape[2] == 0 or h % k.shape[2] != 0:
+        raise ValueError(f"need k = v (b={b}, s_k, h_kv | {h}, d={d}) {q_all.dtype}, got {tuple(k.shape)} "
+                         f"{k.dtype}, {tuple(v.shape)} {v.dtype}")
+    s_k, h_kv = k.shape[1], k.shape[2]
+    for name, t in (("dk_acc", dk_acc), ("dv_acc", dv_acc)):
+        _check(t, name, k.shape, (torch.float32,), q_all.device)
+    wl, wr = (None if w == -1 else w for w in window)
+    if any(w is not None and w < 0 for w in (wl, wr)):
+        raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}")
+    if q1 == q0 or s_k == 0 or b == 0:
+        return None
+    from flash_attn.cute import interface
+    from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous
+    from flash_attn.cute.testing import is_fake_mode
+
+    fake = is_fake_mode()
+    cfg, d_r = state.cfg, state.head_dim_rounded
+    tm, tn = cfg.m_block_size, cfg.n_block_size
+    lo = q0 - q0 % tm  # widen down to a tile boundary; rows outside [q0, q1) get lse_log2 = +inf
+    n = q1 - lo
+    n_r = _rup(n, tm)
+    if lo == q0 and (q1 == s_q or n == n_r):
+        lse_log2 = state.lse_log2.narrow(2, lo, n_r)  # narrow, not [], also works on fake CUDA tensors
+    else:
+        lse_log2 = torch.full((b, h, n_r), float("inf"), dtype=torch.float32, device=q_all.device)
+        if not fake:
+            lse_log2[:, :, q0 - lo:n] = state.lse_log2[:, :, q0:q1]
+    k, v = (maybe_contiguous(t) for t in (k, v))
+    q, do = q_all.narrow(1, lo, n), state.dout.narrow(1, lo, n)
+    dk_buf, dv_buf = _scratch(state, (b, h_kv, _rup(s_k, tn) * d_r), q_all.device, fake)
+    tensors = [q, k, v, do, lse_log2, state.dpsum.narrow(2, lo, n_r),
+               state.dq_accum.narrow(2, lo * d_r, n_r * d_r), dk_buf, dv_buf]
+    causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
+    key = AccumKey(arch=state.arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal,
+                   local=local, has_window_left=wl is not None, has_window_right=wr is not None,
+                   softcap=state.softcap, broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, do)),
+                   single_q_block=n_r == tm, single_k_block=_rup(s_k, tn) == tn)
+    if key not in _CACHE:
+        _CACHE[key] = _compile(key, tensors, state.softmax_scale, wl, wr)
+    if not fake:
+        _CACHE[key](*_args([t.detach() for t in tensors], state.softmax_scale, wl, wr))
+        add_kv_accum_(dk_acc, dk_buf, state, scale=state.softmax_scale)
+        add_kv_accum_(dv_acc, dv_buf, state, scale=1.0)
+    return key
+
+
+@functools.cache
+def _tile_order(arch: int, dtype: torch.dtype, head_dim: int, kind: str, device: torch.device) -> torch.Tensor:
+    """``(tile * d,)`` int64: flat offset in an FA4 accumulator tile of each (row, column < d) of
+    the tile (row-major), as FA4's own postprocess reads the tile ("dq": dQ, "dkv": GQA dK / dV)."""
+    from flash_attn.cute import interface
+
+    cfg = _config(head_dim)
+    if kind == "dq":
+        tile, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+        atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
+    else:
+        tile, threads, atom, swap = cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB
+    size = tile * _rup(head_dim, _hdim_rounding(cfg))
+    assert size <= _BASE * _BASE, size
+    idx = torch.arange(size, device=device)
+    probe = torch.stack([idx % _BASE, idx // _BASE]).to(torch.float32).unsqueeze(1)  # (2 "batches", 1 head, size)
+    out = torch.empty(2, tile, 1, head_dim, dtype=dtype, device=device)
+    interface._bwd_postprocess_convert(probe, out, 1.0, None, None, arch, interface.torch2cute_dtype_map[dtype],
+                                       head_dim, tile, threads, atom, swap, use_2cta_instrs=False, cluster_size=1,
+                                       fake_mode=False, hdim_multiple_of=_hdim_rounding(cfg))
+    order = (out[0, :, 0].long() + _BASE * out[1, :, 0].long()).flatten()
+    if order.unique().numel() != order.numel():
+        raise RuntimeError(f"FA4 postprocess probe gave no tile order for {kind} d={head_dim}")
+    return order
+
+
+def _dense(accum: torch.Tensor, state: BwdAccumState, kind: str, rows: int) -> torch.Tensor:
+    """FA4-layout fp32 accumulator ``(b, heads, rows_r * d_r)`` -> ``(b, rows, heads, d)`` fp32 view."""
+    d = state.q.shape[-1]
+    order = _tile_order(state.arch, state.q.dtype, d, kind, accum.device)
+    tile = order.numel() // d
+    b, heads, _ = accum.shape
+    tiles = accum.view(b, heads, -1, tile * state.head_dim_rounded)
+    return tiles.index_select(-1, order).view(b, heads, -1, d)[:, :, :rows].permute(0, 2, 1, 3)
+
+
+def add_kv_accum_(dst: torch.Tensor, accum: torch.Tensor, state: BwdAccumState, *, scale: float) -> torch.Tensor:
+    """``dst (b, s_k, h_kv, d) float32 += scale * accum`` for an FA4 dK / dV accumulator
+    ``(b, h_kv, s_k_r * d_r)`` (dK carries the softmax scale there, as in FA4's GQA path)."""
+    return dst.add_(_dense(accum, state, "dkv", dst.shape[1]), alpha=scale)
+
+
+def finish(state: BwdAccumState, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dq ``(b, s_q, h, d)`` in ``dtype`` (q's by default: FA4's dQ postprocess; float32: the
+    accumulator gathered and scaled, which rounds to the former). ``out``: optional destination."""
+    from flash_attn.cute import interface
+    from flash_attn.cute.testing import is_fake_mode
+
+    q = state.q
+    dtype = q.dtype if dtype is None else dtype
+    if dtype not in (q.dtype, torch.float32):
+        raise ValueError(f"dq dtype must be {q.dtype} or float32, got {dtype}")
+    if out is not None:
+        _check(out, "out", q.shape, (dtype,), q.device)
+    if dtype == torch.float32:
+        if is_fake_mode() or q.numel() == 0:
+            return torch.zeros(q.shape, dtype=dtype, device=q.device) if out is None else out.zero_()
+        dq = _dense(state.dq_accum, state, "dq", q.shape[1]) * state.softmax_scale
+        return dq.contiguous() if out is None else out.copy_(dq)
+    dq = torch.empty_like(q) if out is None else out
+    if q.numel() == 0:
+        return dq.zero_()
+    cfg = state.cfg
+    interface._bwd_postprocess_convert(
+        state.dq_accum, dq, state.softmax_scale, None, None, state.arch, interface.torch2cute_dtype_map[q.dtype],
+        q.shape[-1], cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128, cfg.AtomLayoutMdQ,
+        cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1, fake_mode=is_fake_mode(),
+        hdim_multiple_of=_hdim_rounding(cfg))
+    return dq
