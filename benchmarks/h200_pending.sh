@@ -6,6 +6,7 @@
 #   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
 #   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
+#   baseline  32 layers at 32k: plain transformers and ringfa4 (shares) in one call (~6 min)
 #   recipe    llama3_8b_1xh200.toml, one 32k document a step, vs plain transformers (~8 min: 600 s call)
 # JSON lands in ${OUT:-bench_results}.
 set -uo pipefail
@@ -34,6 +35,11 @@ case "${1:-}" in
   fulldepth)
     python3 benchmarks/capacity.py --mode ringfa4 --layers 32 --seqs 262144 --gpu-budget-gib 48 \
       --host-budget-gib 90 --no-warm --shares --out "$out/capacity_32l_256k_lean.json" | tail -6
+    ;;
+  baseline)
+    python3 benchmarks/capacity.py --mode plain --layers 32 --seqs 32768 --out "$out/capacity_plain_32k.json" | tail -3
+    python3 benchmarks/capacity.py --mode ringfa4 --layers 32 --seqs 32768 --gpu-budget-gib 48 --host-budget-gib 90 \
+      --shares --out "$out/capacity_32l_32k_lean.json" | tail -3
     ;;
   recipe)
     torchrun --standalone --nproc-per-node 1 recipes/finetune.py recipes/configs/llama3_8b_1xh200.toml \
