@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+from pathlib import Path
 
-from ringfa4.memory.estimate import GIB, StepMemory, step_peak_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from ringfa4.memory.estimate import GIB, StepMemory, step_peak_bytes  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, BYTES = 4096, 32, 128, 2
 FIT = {(2, 524288), (2, 1048576), (32, 32768)}

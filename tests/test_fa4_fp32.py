@@ -25,6 +25,8 @@ import cute_compile
 import pytest
 import torch
 
+from ringfa4.kernels import AttnSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = {"sm_90a": "sm_90", "sm_100a": "sm_100"}
 # (name, head_dim, causal, kwargs of compile_only)
@@ -112,6 +114,41 @@ def test_empty_rows():
         want = {i for i in range(s_q) if sees_no_key(i, s_q, s_k, wl, wr)}
         got = {i for a, b in _empty_rows(s_q, s_k, False, wl, wr) for i in range(a, b)}
         assert got == want, (s_q, s_k, wl, wr)
+
+
+@pytest.mark.parametrize("error", [ValueError, NotImplementedError, AssertionError])
+def test_fa4_backend_falls_back_when_the_fp32_kernel_cannot(monkeypatch, error):
+    """Fa4Backend.forward with an fp32 ``out=``: a call the fp32-output kernel does not cover
+    (ValueError / NotImplementedError: e.g. d != d_v) runs FA4's own forward and widens its output
+    into ``out``; FA4 refusing the call (AssertionError) is Fa4Unsupported, as for bf16 outputs.
+    (CPU tensors stand in; FA4 itself is faked by the reference backend.)"""
+    from ringfa4.kernels import fa4
+    from ringfa4.kernels.reference import ReferenceBackend
+
+    def fp32_kernel(*args):
+        raise error("not covered")
+
+    def fa4_forward(q, k, v, softmax_scale, causal, softcap, window_size_left, window_size_right, return_lse,
+                    out, lse):
+        assert out is None and return_lse
+        o, l = ReferenceBackend().forward(q, k, v, AttnSpec(causal=causal, softmax_scale=softmax_scale))
+        lse.copy_(l)
+        return o, lse
+
+    monkeypatch.setattr(fa4, "_check_inputs", lambda q, spec: None)
+    monkeypatch.setattr(fa4, "_forward_fp32", fp32_kernel)
+    monkeypatch.setattr(fa4, "_kernels", lambda: (fa4_forward, None))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    out, lse = torch.full((1, 64, 2, 16), math.nan), torch.empty(1, 2, 64)
+    if error is AssertionError:
+        with pytest.raises(fa4.Fa4Unsupported):
+            fa4.Fa4Backend().forward(q, k, v, AttnSpec(causal=True), out=out, lse=lse)
+        return
+    o, l = fa4.Fa4Backend().forward(q, k, v, AttnSpec(causal=True), out=out, lse=lse)
+    want = ReferenceBackend().forward(q, k, v, AttnSpec(causal=True))
+    assert o is out and l is lse and o.dtype == torch.float32
+    assert torch.equal(o, want[0].float()) and torch.equal(l, want[1])
 
 
 def test_rejects_bad_inputs_without_loading_flash_attn():

@@ -42,6 +42,24 @@ def test_lean_rmsnorm_matches_transformers(dtype, rows_per_slice, monkeypatch):
         assert (a.double() - b.double()).norm() <= tol * a.double().norm(), (dtype, a.dtype)
 
 
+@pytest.mark.parametrize("rows_per_slice", [None, 5])
+def test_lean_rmsnorm_fp32_weight_on_bf16_input(rows_per_slice, monkeypatch):
+    """An fp32 weight on bf16 activations (peft's k-bit preparation upcasts norms) gives an fp32
+    output, as transformers' norm does: equal values, gradients to rounding."""
+    from ringfa4.memory import lean_norm
+
+    if rows_per_slice:
+        monkeypatch.setattr(lean_norm, "SLICE_ELEMENTS", 64 * rows_per_slice)
+    ref = _norm(torch.float32)
+    x = (torch.randn(2, 37, 64) * 3).to(torch.bfloat16)
+    dy = torch.randn(2, 37, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = ref(x1), lean_rmsnorm(x2, ref.weight, ref.variance_epsilon)
+    assert y1.dtype == y2.dtype == torch.float32 and torch.equal(y1, y2)
+    for a, b in zip(torch.autograd.grad(y1, (x1, ref.weight), dy), torch.autograd.grad(y2, (x2, ref.weight), dy)):
+        assert a.dtype == b.dtype and (a.double() - b.double()).norm() <= 1e-2 * a.double().norm()
+
+
 def test_lean_rmsnorm_gradient_against_float64_math():
     """Against the exact derivative (float64 autograd of the same formula): fp32-level error."""
     x = torch.randn(3, 5, 64, dtype=torch.float64)

@@ -130,11 +130,16 @@ class Fa4Backend:
                 return _forward_fp32(q, k, v, spec, out, lse)
             except AssertionError as exc:
                 raise Fa4Unsupported(f"flash-attn-4 fp32-output forward refused this call: {exc}") from exc
+            except (ValueError, TypeError, NotImplementedError):
+                pass  # a call the fp32-output kernel does not cover (d != d_v, an arch...): FA4's own, widened
         fwd, _ = _kernels()
         try:
-            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=out, lse=lse)
+            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=None if fp32_out else out, lse=lse)
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
+        if fp32_out:
+            out.copy_(res[0])
+            return out, res[1]
         return res[0], res[1]
 
     @torch.compiler.disable

@@ -177,7 +177,8 @@ class _ReferenceAccum:
 
     def __init__(self, backend: ReferenceBackend, dout, q, out, lse, spec: AttnSpec) -> None:
         self.backend, self.dout, self.q, self.out, self.lse = backend, dout, q, out, lse
-        self.acc = torch.zeros(q.shape, dtype=backend._dtype(q), device=q.device)
+        wide = torch.float64 if q.dtype == torch.float64 else backend._dtype(q)  # fp64 inputs: fp64 (protocol)
+        self.acc = torch.zeros(q.shape, dtype=wide, device=q.device)
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                   dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:

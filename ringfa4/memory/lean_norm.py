@@ -42,7 +42,7 @@ class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.empty_like(x2)
+        y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)  # as HF's
         r = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
         for s in _row_slices(*x2.shape):  # rows are independent: the same values as one pass
             xf = x2[s].to(torch.float32)
@@ -57,11 +57,12 @@ class _LeanRMSNorm(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = torch.empty_like(x2) if want_dx else None
-        dw = torch.zeros(x2.shape[-1], dtype=torch.float32, device=x.device) if want_dw else None
+        acc = torch.promote_types(torch.float32, weight.dtype)
+        dw = torch.zeros(x2.shape[-1], dtype=acc, device=x.device) if want_dw else None
         for s in _row_slices(*x2.shape):
             xf, rs = x2[s].to(torch.float32), r[s]
             if want_dw:
-                dw += (dy2[s] * (xf * rs).to(x.dtype)).sum(0, dtype=torch.float32)
+                dw += (dy2[s] * (xf * rs).to(x.dtype)).sum(0, dtype=acc)
             if want_dx:
                 g = (dy2[s] * weight).to(x.dtype).to(torch.float32)
                 dx[s] = g * rs - xf * rs.pow(3) * (g * xf).mean(-1, keepdim=True)
