@@ -176,8 +176,12 @@ class Fa4Backend:
             return None
         if not acc.can_implement(acc._arch(), q.dtype, q.shape[-1], out.shape[-1]):
             return None
-        return _Fa4Accum(acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(q.shape[-1]),
-                                     softcap=float(spec.softcap)))
+        try:
+            state = acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(q.shape[-1]),
+                                softcap=float(spec.softcap))
+        except (ValueError, AssertionError):  # inputs it does not take: the per-block path runs instead
+            return None
+        return _Fa4Accum(state)
 
 
 class _Fa4Accum:
