@@ -52,8 +52,12 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     *srcs, dst = sys.argv[1:]
-    rows = [r for src in srcs for r in json.load(open(src))["rows"]]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = []
+    for src in srcs:
+        data = json.load(open(src))
+        for r in data["rows"]:  # rows of a one-call file share its top-level args
+            rows.append({**r, "args": r["args"]} if r.get("args") is not None else {**r, "args": data.get("args")})
+    fig, ax = plt.subplots(figsize=(7, 5.6))
     xs, ys = zip(*formula_32_layers())
     ax.plot(xs, ys, linestyle="--", color="gray", label="32 layers, formula (1M config budgets)")
     for label, pts in series(rows).items():
@@ -73,7 +77,7 @@ def main() -> None:
     ax.set_ylabel("peak GPU memory (GiB)")
     ax.set_title("Llama-3.1-8B shape, LoRA r=16, one H200: peak memory per step")
     ax.set_ylim(0, 150)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
     print(f"wrote {dst}")
