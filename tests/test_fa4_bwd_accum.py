@@ -238,6 +238,39 @@ def test_states_are_independent(gpu):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)  # atomics: order may differ
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_k,h_kv", [(512, 4), (500, 2)])
+def test_tile_layout_equals_dense(gpu, s_k, h_kv):
+    """accumulate_tiles into one TileKVLayout buffer (blocks at kv rows 0, 128, 256, 384: no scratch,
+    no gather) gives the dense accumulate's dq, dk, dv up to the order of fp32 atomics."""
+    from ringfa4.kernels import fa4_bwd_accum as acc
+
+    fwd, _ = gpu
+    b, s_q, h, d = 1, 448, 4, 128
+    g = torch.Generator().manual_seed(3)
+    mk = lambda *sh: torch.randn(*sh, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    q, dout = mk(b, s_q, h, d), mk(b, s_q, h, d)
+    k, v = mk(b, s_k, h_kv, d), mk(b, s_k, h_kv, d)
+    out, lse = fwd(q, k, v, softmax_scale=d ** -0.5, causal=True, return_lse=True)[:2]
+    dense_state, tile_state = (acc.prepare(q, out, dout, lse, softmax_scale=d ** -0.5) for _ in range(2))
+    layout = acc.TileKVLayout(tile_state, k, s_k)
+    assert layout.align == 128
+    buf = torch.zeros(layout.numel, device="cuda")
+    dk, dv = torch.zeros(b, s_k, h_kv, d, device="cuda"), torch.zeros(b, s_k, h_kv, d, device="cuda")
+    cuts = [0, 128, 256, 384, s_k]
+    for qa, qb in ((0, 150), (150, s_q)):
+        for ka, kb in zip(cuts, cuts[1:]):
+            c, kw = slice(ka, kb), dict(q0=qa, q1=qb, window=(None, None))
+            acc.accumulate(dense_state, k[:, c], v[:, c], dk[:, c], dv[:, c], **kw)
+            acc.accumulate_tiles(tile_state, k[:, c], v[:, c], *layout.cols(buf, s_k, ka, kb), **kw)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        layout.cols(buf, s_k, 100, 200)
+    tk, tv = layout.dense(buf, s_k)
+    for x, y in ((tk, dk), (tv, dv), (acc.finish(tile_state, torch.float32), acc.finish(dense_state, torch.float32))):
+        assert x.abs().max() > 0
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 if __name__ == "__main__":  # subprocess entry: python test_fa4_bwd_accum.py ARCH RESULT_JSON
     _t0 = time.perf_counter()
     _res = _compile_cases(sys.argv[1])

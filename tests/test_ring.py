@@ -6,6 +6,8 @@ Criterion: error against float64 <= 2x the same backend's error on the full sequ
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from dist_pool import Pool
@@ -329,6 +331,51 @@ def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "yes")
     with pytest.raises(ValueError, match="RINGFA4_FP32_GRADS"):
         grads()
+
+
+class _HeadMajorGrads:
+    """A backend-native dK/dV layout for the executor test: ``(b, h_kv, cap, d)`` per tensor."""
+
+    def __init__(self, k, cap, align):
+        self.shape = (k.shape[0], k.shape[2], cap, k.shape[3])
+        self.numel, self.align, self.dense_calls = 2 * math.prod(self.shape), align, 0
+
+    def _halves(self, buf):
+        return buf[: self.numel // 2].view(self.shape), buf[self.numel // 2:].view(self.shape)
+
+    def cols(self, buf, rows, k0, k1):
+        assert k0 % self.align == 0, (k0, self.align)
+        return tuple(t[:, :, k0:k1].permute(0, 2, 1, 3) for t in self._halves(buf))
+
+    def dense(self, buf, rows):
+        self.dense_calls += 1
+        return tuple(t[:, :, :rows].permute(0, 2, 1, 3) for t in self._halves(buf))
+
+
+@pytest.mark.parametrize("align,window,native", [(16, None, True), (4, (20, 0), True), (8, (20, 0), False)])
+def test_fp32_grads_in_a_backend_layout(align, window, native, monkeypatch):
+    """An AccumBackward's ``kv_layout``: dK/dV accumulate and travel in the backend's own layout
+    (FA4: its tile layout) and give the same gradients as the dense layout, bit for bit; a
+    schedule with a block starting off the layout's alignment falls back to the dense layout."""
+    from ringfa4.kernels.reference import _ReferenceAccum
+
+    P, S = 4, 2 * 4 * 16  # zigzag chunks of 16 rows; the window's blocks start at kv rows 0, 12, 16, 28
+    q, k, v, do = random_qkv(1, S, S, 4, 2, 16, dtype=torch.bfloat16, seed=7)
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+
+    def grads():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        ringfa4.attention(*x, cp=cp, causal=True, window=window or (None, None)).backward(do)
+        return [t.grad for t in x]
+
+    dense = grads()
+    made = []
+    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
+        _HeadMajorGrads(k, cap, align)) or made[-1], raising=False)
+    got = grads()
+    assert made and all(lay.dense_calls == (P if native else 0) for lay in made), [m.dense_calls for m in made]
+    assert all(torch.equal(a, b) for a, b in zip(got, dense))
 
 
 def test_fp32_partials_default_auto(monkeypatch):

@@ -78,22 +78,33 @@ def test_hybrid_bf16_matches_float64(P, U, h_kv):
         assert err <= 2 * e0 + 1e-3, f"P={P} U={U} {name}: {err:.3g} vs full-sequence {e0:.3g}"
 
 
-@pytest.mark.parametrize("h_kv", [8, 2])
-def test_ring_fp32_block_gradients_fa4(h_kv, monkeypatch):
+@pytest.mark.parametrize("h_kv,S,window", [(8, 8192, None), (2, 8192, None), (8, 3200, None), (8, 8192, (700, 0))])
+def test_ring_fp32_block_gradients_fa4(h_kv, S, window, monkeypatch):
     """RINGFA4_FP32_GRADS=1 on the fa4 backend (sm90: kernels/fa4_bwd_accum.py): P = 16 causal ring
     gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
-    accurate as with bf16 block gradients."""
+    accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout where every block
+    starts on a kv tile (causal zigzag blocks start at kv row 0, also with chunks of 100 rows),
+    else dense (this window's blocks start at kv rows 68 and 324)."""
+    from ringfa4.kernels import fa4_bwd_accum as acc
+
     P = 16
-    q, k, v, do = random_qkv(1, 8192, 8192, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
-    ref = reference_grads(q, k, v, do, causal=True)
+    kw = dict(causal=True) if window is None else dict(causal=True, window=window)
+    gathered = []
+    dense = acc.TileKVLayout.dense
+    monkeypatch.setattr(acc.TileKVLayout, "dense", lambda self, buf, rows: gathered.append(rows) or dense(
+        self, buf, rows))
+    q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
+    ref = reference_grads(q, k, v, do, **kw)
     be = get_backend("fa4")
-    o, l = be.forward(q, k, v, AttnSpec(causal=True))
-    full = be.backward(do, q, k, v, o, l, AttnSpec(causal=True))
+    spec = AttnSpec(**kw)
+    o, l = be.forward(q, k, v, spec)
+    full = be.backward(do, q, k, v, o, l, spec)
     cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
-    bf16 = _run(cp, q, k, v, do, causal=True)[2:]
+    bf16 = _run(cp, q, k, v, do, **kw)[2:]
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    fp32 = _run(cp, q, k, v, do, causal=True)[2:]
+    fp32 = _run(cp, q, k, v, do, **kw)[2:]
+    assert gathered == ([S // P] * P if window is None else []), gathered
     for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
         assert e32 <= 1.1 * ef, (name, e32 / ef, e16 / ef)

@@ -194,8 +194,16 @@ class _Fa4Accum:
                   dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
         from . import fa4_bwd_accum as acc
 
-        acc.accumulate(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
-                       window=(spec.window_left, spec.window_right))
+        add = acc.accumulate_tiles if dk_acc.dim() == 3 else acc.accumulate  # FA4-layout (kv_layout) or dense
+        add(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
+            window=(spec.window_left, spec.window_right))
+
+    def kv_layout(self, k: torch.Tensor, cap: int):
+        """dK / dV kept in FA4's tile layout across the ring (:class:`fa4_bwd_accum.TileKVLayout`):
+        each block's kernel reduce-adds into the travelling accumulator, one gather at the end."""
+        from . import fa4_bwd_accum as acc
+
+        return acc.TileKVLayout(self.state, k, cap)
 
     def dq(self) -> torch.Tensor:
         from . import fa4_bwd_accum as acc

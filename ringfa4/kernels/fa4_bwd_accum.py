@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AccumKey", "BwdAccumState", "accumulate", "add_kv_accum_", "can_implement", "finish", "prepare"]
+__all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
+           "can_implement", "finish", "prepare"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _BASE = 256  # digit base of the tile-order probe (0..255 are exact in fp16 and bf16)
@@ -240,25 +241,63 @@ def _scratch(state: BwdAccumState, shape: tuple, device, fake: bool) -> tuple[to
     return (dk, dv) if fake else (dk.zero_(), dv.zero_())
 
 
+def _check_kv(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor) -> None:
+    b, _, h, d = state.q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.dtype != state.q.dtype \
+            or v.dtype != state.q.dtype or k.shape[2] == 0 or h % k.shape[2] != 0:
+        raise ValueError(f"need k = v (b={b}, s_k, h_kv | {h}, d={d}) {state.q.dtype}, got {tuple(k.shape)} "
+                         f"{k.dtype}, {tuple(v.shape)} {v.dtype}")
+
+
 def accumulate(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_acc: torch.Tensor,
                dv_acc: torch.Tensor, *, q0: int = 0, q1: int | None = None, causal: bool = False,
                window: tuple[int | None, int | None] = (None, None)) -> AccumKey | None:
     """One block: the state's query rows ``[q0, q1)`` against ``k, v (b, s_k, h_kv, d)`` (views of
     the held kv rows) with FA-convention ``causal`` / ``window`` (bottom-right, None or -1 =
     unbounded). dQ adds into the state; dK / dV add into ``dk_acc, dv_acc (b, s_k, h_kv, d)``
-    float32 (strided views allowed). Returns the kernel's cache key (None when nothing ran)."""
+    float32 (strided views allowed), through a zeroed FA4-layout scratch that is then gathered
+    (:func:`accumulate_tiles` adds into FA4-layout accumulators directly, without those passes).
+    Returns the kernel's cache key (None when nothing ran)."""
+    _check_kv(state, k, v)
+    for name, t in (("dk_acc", dk_acc), ("dv_acc", dv_acc)):
+        _check(t, name, k.shape, (torch.float32,), state.q.device)
+    b, s_k, h_kv = k.shape[:3]
+    from flash_attn.cute.testing import is_fake_mode
+
+    fake = is_fake_mode()
+    dk_buf, dv_buf = _scratch(state, (b, h_kv, _rup(s_k, state.cfg.n_block_size) * state.head_dim_rounded),
+                              state.q.device, fake)
+    key = accumulate_tiles(state, k, v, dk_buf, dv_buf, q0=q0, q1=q1, causal=causal, window=window)
+    if key is not None and not fake:
+        add_kv_accum_(dk_acc, dk_buf, state, scale=state.softmax_scale)
+        add_kv_accum_(dv_acc, dv_buf, state, scale=1.0)
+    return key
+
+
+def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_tiles: torch.Tensor,
+                     dv_tiles: torch.Tensor, *, q0: int = 0, q1: int | None = None, causal: bool = False,
+                     window: tuple[int | None, int | None] = (None, None)) -> AccumKey | None:
+    """As :func:`accumulate`, with dK / dV reduce-added by the kernel straight into FA4-layout fp32
+    accumulators ``dk_tiles, dv_tiles (b, h_kv, >= rup(s_k, tile_n) * d_r)`` (last-dim stride 1;
+    tile j of kv rows at ``[j * tile_n * d_r, (j + 1) * tile_n * d_r)``; dK without the softmax
+    scale, as FA4 keeps it): the kv rows of the block are tiles 0.. of these views, so a block
+    that starts at kv row k0 of a larger accumulator passes its narrow at ``k0 * d_r`` with k0 a
+    multiple of tile_n (:class:`TileKVLayout`). Rows past s_k in the last tile get exact zeros."""
     q_all = state.q
     b, s_q, h, d = q_all.shape
     q1 = s_q if q1 is None else q1
     if not 0 <= q0 <= q1 <= s_q:
         raise ValueError(f"need 0 <= q0 <= q1 <= {s_q}, got q0={q0}, q1={q1}")
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.dtype != q_all.dtype \
-            or v.dtype != q_all.dtype or k.shape[2] == 0 or h % k.shape[2] != 0:
-        raise ValueError(f"need k = v (b={b}, s_k, h_kv | {h}, d={d}) {q_all.dtype}, got {tuple(k.shape)} "
-                         f"{k.dtype}, {tuple(v.shape)} {v.dtype}")
+    _check_kv(state, k, v)
     s_k, h_kv = k.shape[1], k.shape[2]
-    for name, t in (("dk_acc", dk_acc), ("dv_acc", dv_acc)):
-        _check(t, name, k.shape, (torch.float32,), q_all.device)
+    cfg, d_r = state.cfg, state.head_dim_rounded
+    tm, tn = cfg.m_block_size, cfg.n_block_size
+    for name, t in (("dk_tiles", dk_tiles), ("dv_tiles", dv_tiles)):
+        if t.dim() != 3 or t.shape[:2] != (b, h_kv) or t.shape[2] < _rup(s_k, tn) * d_r or t.dtype != torch.float32 \
+                or t.device != q_all.device or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be ({b}, {h_kv}, >= {_rup(s_k, tn) * d_r}) float32 on {q_all.device} "
+                             f"with last-dim stride 1, got {tuple(t.shape)} {t.dtype} on {t.device}, "
+                             f"strides {t.stride()}")
     wl, wr = (None if w == -1 else w for w in window)
     if any(w is not None and w < 0 for w in (wl, wr)):
         raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}")
@@ -269,8 +308,6 @@ def accumulate(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_acc: t
     from flash_attn.cute.testing import is_fake_mode
 
     fake = is_fake_mode()
-    cfg, d_r = state.cfg, state.head_dim_rounded
-    tm, tn = cfg.m_block_size, cfg.n_block_size
     lo = q0 - q0 % tm  # widen down to a tile boundary; rows outside [q0, q1) get lse_log2 = +inf
     n = q1 - lo
     n_r = _rup(n, tm)
@@ -282,21 +319,51 @@ def accumulate(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_acc: t
             lse_log2[:, :, q0 - lo:n] = state.lse_log2[:, :, q0:q1]
     k, v = (maybe_contiguous(t) for t in (k, v))
     q, do = q_all.narrow(1, lo, n), state.dout.narrow(1, lo, n)
-    dk_buf, dv_buf = _scratch(state, (b, h_kv, _rup(s_k, tn) * d_r), q_all.device, fake)
+    size = _rup(s_k, tn) * d_r
     tensors = [q, k, v, do, lse_log2, state.dpsum.narrow(2, lo, n_r),
-               state.dq_accum.narrow(2, lo * d_r, n_r * d_r), dk_buf, dv_buf]
+               state.dq_accum.narrow(2, lo * d_r, n_r * d_r), dk_tiles.narrow(2, 0, size), dv_tiles.narrow(2, 0, size)]
     causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
     key = AccumKey(arch=state.arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal,
                    local=local, has_window_left=wl is not None, has_window_right=wr is not None,
                    softcap=state.softcap, broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, do)),
-                   single_q_block=n_r == tm, single_k_block=_rup(s_k, tn) == tn)
+                   single_q_block=n_r == tm, single_k_block=size == tn * d_r)
     if key not in _CACHE:
         _CACHE[key] = _compile(key, tensors, state.softmax_scale, wl, wr)
     if not fake:
         _CACHE[key](*_args([t.detach() for t in tensors], state.softmax_scale, wl, wr))
-        add_kv_accum_(dk_acc, dk_buf, state, scale=state.softmax_scale)
-        add_kv_accum_(dv_acc, dv_buf, state, scale=1.0)
     return key
+
+
+class TileKVLayout:
+    """dK / dV of ``cap`` kv rows ``(b, ·, h_kv, d)`` kept in FA4's tile layout across a ring: one
+    flat float32 buffer ``[dk | dv]``, each ``(b, h_kv, rup(cap, tile_n) * d_r)``. Blocks add into
+    it with :func:`accumulate_tiles` (no scratch, no gather); buffers of one layout add elementwise;
+    :meth:`dense` gathers the finished sums once. The executor's KV-gradient layout protocol:
+    ``numel``, ``align`` (every block's first kv row must be a multiple), ``cols``, ``dense``."""
+
+    def __init__(self, state: BwdAccumState, k: torch.Tensor, cap: int) -> None:
+        self.state = state
+        self.align = state.cfg.n_block_size
+        self.b, self.h_kv = k.shape[0], k.shape[2]
+        self.row_numel = state.head_dim_rounded
+        self.length = _rup(max(cap, 1), self.align) * self.row_numel
+        self.numel = 2 * self.b * self.h_kv * self.length
+
+    def _halves(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = self.numel // 2
+        return tuple(buf[i * half:(i + 1) * half].view(self.b, self.h_kv, self.length) for i in range(2))
+
+    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`."""
+        if k0 % self.align or not 0 <= k0 <= k1 <= rows:
+            raise ValueError(f"kv rows [{k0}, {k1}) of {rows}: k0 must be a multiple of {self.align}")
+        start = k0 * self.row_numel
+        return tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
+
+    def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dk, dv (b, rows, h_kv, d)`` float32 (dK scaled by the softmax scale)."""
+        dk, dv = self._halves(buf)
+        return (_dense(dk, self.state, "dkv", rows) * self.state.softmax_scale, _dense(dv, self.state, "dkv", rows))
 
 
 @functools.cache

@@ -168,6 +168,12 @@ class AccumBackward(Protocol):
         for fp64 inputs) accumulators ``dk_acc, dv_acc`` like k (views allowed); no block gradient
         is rounded to the inputs' dtype.
     dq() -> the accumulated dq, fp32 (fp64 for fp64 inputs), ``(b, s_q, h, d)``.
+
+    Optional: kv_layout(k, cap) -> a layout of the state's own for dK / dV of ``cap`` kv rows like
+    ``k``, or None (dense). The ring then keeps its travelling dK / dV in that layout: flat buffers
+    of ``layout.numel`` fp32 that add elementwise; ``layout.cols(buf, rows, k0, k1)`` gives what
+    add_block receives as ``dk_acc, dv_acc`` for kv rows ``[k0, k1)`` (k0 a multiple of
+    ``layout.align``); ``layout.dense(buf, rows)`` gives fp32 ``(b, rows, h_kv, d)`` dk, dv at the end.
     """
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,

@@ -66,9 +66,10 @@ class Block:
 
     def accumulate(self, state, k, v, base, dk_acc, dv_acc) -> None:
         """This block's gradients through an AccumBackward ``state``: dq into the state, dk / dv
-        into the block's columns of the fp32 ``dk_acc, dv_acc``."""
+        into ``dk_acc, dv_acc``, the accumulators of this block's kv columns (the executor's grad
+        layout ``cols``)."""
         c = slice(self.k0, self.k1)
-        state.add_block(self.q0, self.q1, k[:, c], v[:, c], self.spec(base), dk_acc[:, c], dv_acc[:, c])
+        state.add_block(self.q0, self.q1, k[:, c], v[:, c], self.spec(base), dk_acc, dv_acc)
 
     def backward(self, backend, dout, q, k, v, out, lse, base):
         r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)

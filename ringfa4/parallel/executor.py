@@ -296,43 +296,43 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc if run.dkv_wire_fp32 else ks[0].dtype)
     kv_cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
     kv_nxt = [bufs.empty(k.device) for k in ks]
-    dkv_cur = [gbufs.zeros(k.device) for k in ks]
-    dkv_nxt = [gbufs.empty(k.device) for k in ks]
     states = _accum_states(run, douts, qs, outs, lses, acc)
+    grads = _grad_layout(run, states, ks[0], gbufs)  # where dK/dV accumulate and travel
+    dkv_cur = [torch.zeros(grads.numel, dtype=gbufs.dtype, device=k.device) for k in ks]
+    dkv_nxt = [torch.empty(grads.numel, dtype=gbufs.dtype, device=k.device) for k in ks]
     dqs = [None if st is not None else torch.zeros(q.shape, dtype=acc, device=q.device) for st, q in zip(states, qs)]
-    scratch = [None if st is None else gbufs.empty(k.device) for st, k in zip(states, ks)]
+    scratch = [None if st is None else torch.empty(grads.numel, dtype=acc, device=k.device)
+               for st, k in zip(states, ks)]
     dkv_handle = None
     for t in range(steps):
         kv_handle = run.transport.shift(kv_cur, kv_nxt, 1) if t + 1 < steps else None
-        grads, held = [], []
+        step_grads, held = [], []
         for i, r in enumerate(run.ranks):
             src_rows = _rows(run, run.schedule.source(r, t, world), ks[i])
             k_t, v_t = bufs.view(kv_cur[i], src_rows)
-            mine = []
             blocks = run.schedule.blocks(r, t)
-            if states[i] is not None and blocks:  # fp32 block gradients: dK/dV of this step in a scratch
-                dk_s, dv_s = gbufs.view(scratch[i].zero_(), src_rows)
+            if states[i] is not None:  # fp32 block gradients: this step's dK/dV into a zeroed scratch
+                step_grads.append(scratch[i].zero_() if blocks else None)
                 for blk in blocks:
-                    blk.accumulate(states[i], k_t, v_t, run.spec, dk_s, dv_s)
-                mine.append((None, dk_s, dv_s))
+                    blk.accumulate(states[i], k_t, v_t, run.spec, *grads.cols(scratch[i], src_rows, blk.k0, blk.k1))
             else:
+                mine = []
                 for blk in blocks:
                     dq, dk, dv = blk.backward(run.backend, douts[i], qs[i], k_t, v_t, outs[i], lses[i], run.spec)
                     blk.add_dq(dqs[i], dq)
                     mine.append((blk, dk, dv))
-            grads.append(mine)
+                step_grads.append(mine)
             held.append(src_rows)
         if dkv_handle is not None:  # dK/dV of the K/V we hold, accumulated by the ranks before us
             run.transport.wait(dkv_handle)
             dkv_cur, dkv_nxt = dkv_nxt, dkv_cur
-        for i, mine in enumerate(grads):
+        for i, mine in enumerate(step_grads):
+            if isinstance(mine, torch.Tensor):
+                dkv_cur[i] += mine  # same layout, same held rows: one elementwise add
+                continue
             dk_acc, dv_acc = gbufs.view(dkv_cur[i], held[i])
-            for blk, dk, dv in mine:
-                if blk is None:
-                    dk_acc += dk
-                    dv_acc += dv
-                else:
-                    blk.add_dkv(dk_acc, dv_acc, dk, dv)
+            for blk, dk, dv in mine or ():
+                blk.add_dkv(dk_acc, dv_acc, dk, dv)
         # pass the dK/dV on with the K/V; after the last step, straight to the owner
         offset = 1 if t + 1 < steps else (world - steps + 1) % world
         dkv_handle = run.transport.shift(dkv_cur, dkv_nxt, offset) if offset else None
@@ -344,11 +344,44 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         dkv_cur = dkv_nxt
     dks, dvs = [], []
     for i, r in enumerate(run.ranks):
-        dk, dv = gbufs.view(dkv_cur[i], _rows(run, r, ks[i]))
+        dk, dv = grads.dense(dkv_cur[i], _rows(run, r, ks[i]))
         dks.append(dk.to(ks[i].dtype))
         dvs.append(dv.to(vs[i].dtype))
     dqs = [st.dq() if st is not None else dq for st, dq in zip(states, dqs)]
     return [dq.to(q.dtype) for dq, q in zip(dqs, qs)], dks, dvs
+
+
+class _DenseGrads:
+    """dK/dV as dense ``(b, rows, h_kv, d)`` views of :class:`_KVBuffers` (the executor's own layout;
+    the backend's ``kv_layout`` may offer its native one instead, see AccumBackward)."""
+
+    align = 1
+
+    def __init__(self, bufs: _KVBuffers) -> None:
+        self.bufs, self.numel = bufs, bufs.numel
+
+    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dk, dv = self.bufs.view(buf, rows)
+        return dk[:, k0:k1], dv[:, k0:k1]
+
+    def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bufs.view(buf, rows)
+
+
+def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers):
+    """The backend's own dK/dV layout when every local state offers one and every block of the
+    schedule starts at a kv row it can address; else the dense layout."""
+    dense = _DenseGrads(gbufs)
+    offer = getattr(states[0], "kv_layout", None)
+    if offer is None or any(st is None for st in states):
+        return dense
+    layout = offer(k, _cap(run, k))
+    if layout is None:
+        return dense
+    sched = run.schedule
+    aligned = all(b.k0 % layout.align == 0 for t in range(run.active_steps) for r in run.ranks
+                  for b in sched.blocks(r, t))
+    return layout if aligned else dense
 
 
 def _accum_states(run: RingRun, douts, qs, outs, lses, acc: torch.dtype) -> list:
