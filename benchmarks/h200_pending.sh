@@ -5,6 +5,7 @@
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
 #   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
 #   grads     fp32 block gradients with dK/dV in FA4's tile layout: GPU tests, speed (0 vs 1), profile, precision
+#   wire      default settings (fp32 grads on) through the ring / packing GPU tests; dK/dV on a bf16 wire: speed, precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
 #   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
 #   baseline  32 layers at 32k: plain transformers and ringfa4 (shares) in one call (~6 min)
@@ -40,6 +41,13 @@ case "${1:-}" in
       --out "$out/ring_profile_64k_p8_mha_fp32_grads.json" 2>&1 | grep "^|" | head -24
     RINGFA4_FP32_GRADS=1 python3 benchmarks/ring_precision.py --worlds 8,32 \
       --out "$out/ring_precision_fp32_grads.json" 2>&1 | tail -4
+    ;;
+  wire)
+    python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_packing_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -30
+    RINGFA4_DKV_WIRE=input python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes \
+      --out "$out/ring_sim_64k_p8_wire_bf16.json" 2>&1 | grep "^| 64k"
+    RINGFA4_DKV_WIRE=input python3 benchmarks/ring_precision.py --worlds 8,32 \
+      --out "$out/ring_precision_wire_bf16.json" 2>&1 | tail -4
     ;;
   capacity)
     python3 benchmarks/capacity.py --mode ringfa4 --layers 2 --seqs 524288,1048576 --gpu-budget-gib 8.5 \

@@ -395,9 +395,12 @@ def test_fp32_partials_default_auto(monkeypatch):
         ringfa4.attention(q, k, v, cp=cp, causal=True)
 
 
-def test_dkv_on_the_wire_in_the_input_dtype(monkeypatch):
+@pytest.mark.parametrize("fp32_grads", ["0", "1"])
+def test_dkv_on_the_wire_in_the_input_dtype(fp32_grads, monkeypatch):
     """RINGFA4_DKV_WIRE=input: dK/dV travel (and accumulate) in bf16; fp32 (default) keeps their
-    error flat in P. Both run; the bf16 wire is the less accurate one at P = 16."""
+    error flat in P. Both run, with bf16 or fp32 block gradients; the bf16 wire is the less accurate
+    one at P = 16."""
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", fp32_grads)
     P, S = 16, 2 * 16 * 16
     q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=3)
     ref = reference_grads(q, k, v, do, causal=True)

@@ -78,13 +78,16 @@ def test_hybrid_bf16_matches_float64(P, U, h_kv):
         assert err <= 2 * e0 + 1e-3, f"P={P} U={U} {name}: {err:.3g} vs full-sequence {e0:.3g}"
 
 
-@pytest.mark.parametrize("h_kv,S,window", [(8, 8192, None), (2, 8192, None), (8, 3200, None), (8, 8192, (700, 0))])
-def test_ring_fp32_block_gradients_fa4(h_kv, S, window, monkeypatch):
+@pytest.mark.parametrize("h_kv,S,window,wire", [(8, 8192, None, "fp32"), (2, 8192, None, "fp32"),
+                                                (8, 3200, None, "fp32"), (8, 8192, (700, 0), "fp32"),
+                                                (8, 8192, None, "input")])
+def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
     """RINGFA4_FP32_GRADS=1 on the fa4 backend (sm90: kernels/fa4_bwd_accum.py): P = 16 causal ring
     gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
     accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout where every block
     starts on a kv tile (causal zigzag blocks start at kv row 0, also with chunks of 100 rows),
-    else dense (this window's blocks start at kv rows 68 and 324)."""
+    else dense (this window's blocks start at kv rows 68 and 324). With dK/dV travelling in bf16
+    (``RINGFA4_DKV_WIRE=input``, one rounding a hop) dk / dv are only held to the bf16-gradient ring."""
     from ringfa4.kernels import fa4_bwd_accum as acc
 
     P = 16
@@ -100,6 +103,7 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, monkeypatch):
     o, l = be.forward(q, k, v, spec)
     full = be.backward(do, q, k, v, o, l, spec)
     cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
+    monkeypatch.setenv("RINGFA4_DKV_WIRE", wire)
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
     bf16 = _run(cp, q, k, v, do, **kw)[2:]
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
@@ -107,5 +111,8 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, monkeypatch):
     assert gathered == ([S // P] * P if window is None else []), gathered
     for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
-        assert e32 <= 1.1 * ef, (name, e32 / ef, e16 / ef)
-        assert e32 <= e16 * 1.001, (name, e32, e16)
+        if wire == "fp32" or name == "dq":
+            assert e32 <= 1.1 * ef, (name, e32 / ef, e16 / ef)
+            assert e32 <= e16 * 1.001, (name, e32, e16)
+        else:  # the hops' bf16 rounding dominates (H200: 2.8x one full call's error, both ways)
+            assert e32 <= 1.05 * e16, (name, e32, e16)

@@ -69,7 +69,8 @@ def fp32_grads() -> bool:
     """``RINGFA4_FP32_GRADS``: ``1`` (default) makes ring backwards keep every block's dq / dk / dv
     in fp32 through the backend's ``begin_backward`` where it offers one for the call (FA4 on sm90:
     its fp32 accumulators carried across steps, dK/dV in its tile layout, one pre- and postprocess
-    per backward; reference: its compute dtype); needs the fp32 dK/dV wire. ``0``: each block's
+    per backward; reference: its compute dtype); with ``RINGFA4_DKV_WIRE=input`` each step's fp32
+    dK/dV is added into the travelling k-dtype buffer (one rounding a hop). ``0``: each block's
     gradients come back in the inputs' dtype and are summed in fp32. On the H200 (64k, P = 8, MHA)
     both cost the same; at P = 32 dq / dk / dv went from 1.13 / 1.22 / 1.22x to 1.00x one full
     FA4 call's error."""
@@ -331,7 +332,7 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
             dkv_cur, dkv_nxt = dkv_nxt, dkv_cur
         for i, mine in enumerate(step_grads):
             if isinstance(mine, torch.Tensor):
-                dkv_cur[i] += mine  # same layout, same held rows: one elementwise add
+                dkv_cur[i] += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
                 continue
             dk_acc, dv_acc = gbufs.view(dkv_cur[i], held[i])
             for blk, dk, dv in mine or ():
@@ -389,8 +390,8 @@ def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers)
 
 def _accum_states(run: RingRun, douts, qs, outs, lses, acc: torch.dtype) -> list:
     """Per local rank, the backend's AccumBackward state when ``run.fp32_grads`` asks for one and
-    the backend offers it for these inputs (dense, fp32 dK/dV wire), else None."""
+    the backend offers it for these inputs (dense), else None."""
     begin = getattr(run.backend, "begin_backward", None)
-    if not run.fp32_grads or begin is None or not run.dkv_wire_fp32 or qs[0].dim() != 4:
+    if not run.fp32_grads or begin is None or qs[0].dim() != 4:
         return [None] * len(qs)
     return [begin(do, q, o, lse, run.spec) for do, q, o, lse in zip(douts, qs, outs, lses)]
