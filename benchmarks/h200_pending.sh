@@ -5,6 +5,8 @@
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
 #   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
 #   grads     fp32 block gradients with dK/dV in FA4's tile layout: GPU tests, speed (0 vs 1), profile, precision
+#   merge     the ring forward merging inside FA4's epilogue (kernels/fa4_merge.py): GPU tests, speed 0 vs 1,
+#             forward profile, precision (~5 min)
 #   wire      default settings (fp32 grads on) through the ring / packing GPU tests; dK/dV on a bf16 wire: speed, precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
 #   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
@@ -42,6 +44,19 @@ case "${1:-}" in
     RINGFA4_FP32_GRADS=1 python3 benchmarks/ring_precision.py --worlds 8,32 \
       --out "$out/ring_precision_fp32_grads.json" 2>&1 | tail -4
     ;;
+  merge)
+    python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py -k "merge or fp32_forward" 2>&1 \
+      | grep -E "passed|failed|^E " | head -30
+    for m in 0 1; do
+      echo "== RINGFA4_EPILOGUE_MERGE=$m"
+      RINGFA4_EPILOGUE_MERGE=$m python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes \
+        --out "$out/ring_sim_64k_p8_epilogue_merge_$m.json" 2>&1 | grep "^| 64k"
+    done
+    RINGFA4_EPILOGUE_MERGE=1 python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+      --forward-only --out "$out/ring_profile_64k_p8_fwd_epilogue_merge.json" 2>&1 | grep "^|" | head -14
+    RINGFA4_EPILOGUE_MERGE=1 python3 benchmarks/ring_precision.py --worlds 8,32 \
+      --out "$out/ring_precision_epilogue_merge.json" 2>&1 | tail -4
+    ;;
   wire)
     python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_packing_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -30
     RINGFA4_DKV_WIRE=input python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes \
@@ -69,7 +84,7 @@ case "${1:-}" in
     python3 benchmarks/capacity.py --mode plain --layers 32 --seqs 32768 --out "$out/capacity_plain_32k.json" | tail -3
     ;;
   *)
-    echo "usage: bash benchmarks/h200_pending.sh kernels|ring|capacity|recipe" >&2
+    echo "usage: bash benchmarks/h200_pending.sh STAGE (see the header)" >&2
     exit 2
     ;;
 esac

@@ -38,6 +38,11 @@ CASES = [
     ("gqa_window", 128, False, dict(window=(96, 32), shape=(2, 384, 512, 8, 2))),
     ("softcap_causal_short", 128, True, dict(softcap=30.0, shape=(2, 128, 384, 4, 4))),
 ]
+# the merging epilogue (kernels/fa4_merge.py): sm90 only
+MERGE_COMPILE = [
+    ("merge_d128_causal", 128, True, dict(merge=True)),
+    ("merge_d64_gqa_window", 64, False, dict(merge=True, window=(96, 32), shape=(2, 384, 512, 8, 2))),
+]
 
 
 def _compile_cases(arch: str) -> list[dict]:
@@ -47,14 +52,20 @@ def _compile_cases(arch: str) -> list[dict]:
     from ringfa4.kernels import fa4_fp32
 
     results = []
-    for name, d, causal, kw in CASES:
+    for name, d, causal, kw in CASES + (MERGE_COMPILE if arch == "sm_90a" else []):
         t0 = time.perf_counter()
         entry = fa4_fp32.compile_only(arch, torch.bfloat16, d, causal, **kw)
         ptx = entry.fn.__ptx__
         assert isinstance(ptx, str) and f".target {arch}" in ptx, (name, "no PTX for", arch)
         assert entry.fn.__cubin__, (name, "no cubin")
         stores = re.findall(r"st\.global\.v\d\.b32|cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-        if arch == "sm_90a":
+        if kw.get("merge"):
+            # O read back and written once from registers; the running lse read and the block lse stored
+            assert type(entry.kernel).__name__ == "_Sm90MergeOut" and entry.key.merge, name
+            assert stores == ["st.global.v2.b32"] * (d // 4), (name, stores)
+            assert re.findall(r"ld\.global\.v\d\.b32", ptx) == ["ld.global.v2.b32"] * (d // 4), name
+            assert len(re.findall(r"ld\.global\.b32", ptx)) == len(re.findall(r"st\.global\.b32", ptx)) > 0, name
+        elif arch == "sm_90a":
             assert entry.kernel.use_tma_O is False, name
             # every thread stores its d / 4 float32 pairs of O; no TMA store of O from smem
             assert stores == ["st.global.v2.b32"] * (d // 4), (name, stores)
@@ -92,7 +103,7 @@ def test_fp32_forward_compiles(compile_runs, arch):
     proc, result, log = compile_runs[arch]
     cute_compile.wait_ok(proc, log, arch, timeout=120)
     results = json.loads(result.read_text())
-    assert [r["name"] for r in results] == [c[0] for c in CASES]
+    assert [r["name"] for r in results] == [c[0] for c in CASES + (MERGE_COMPILE if arch == "sm_90a" else [])]
     print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
 
 
@@ -265,6 +276,56 @@ def test_fp32_forward_strided_out(gpu):
     assert torch.isnan(lse_buf[..., :8]).all() and torch.isnan(lse_buf[..., 8 + s_q:]).all()
     _, lse16 = _stock(stock_fwd, q, k, v, True, d ** -0.5, (None, None), 0.0)
     torch.testing.assert_close(lse_view, lse16, rtol=1e-5, atol=1e-5)
+
+
+MERGE_CASES = [  # (name, (b, s_q, s_k, h, h_kv, d), kwargs of the merged block)
+    ("causal_sq>sk", (2, 512, 256, 4, 4, 128), dict(causal=True)),  # its first 256 rows see no key
+    ("full_gqa", (2, 300, 384, 8, 2, 128), dict(causal=False)),
+    ("window_d64", (1, 384, 384, 4, 4, 64), dict(causal=False, window=(96, 32))),
+    ("softcap_fp16", (2, 256, 512, 4, 4, 128), dict(causal=True, softcap=30.0, dtype=torch.float16)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,shape,kw", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_merge_epilogue_vs_torch_merge(gpu, name, shape, kw):
+    """fa4_merge: a block merged inside FA4's epilogue into a strided fp32 accumulator and a slice of
+    (b, h, 2, S) lse planes equals fa4_forward_fp32 followed by the torch merge; rows where both lse
+    are -inf keep out = 0; nothing outside the views is touched; the block lse lands in plane 1."""
+    from ringfa4.kernels import merge_lse_
+    from ringfa4.kernels.fa4_merge import fa4_forward_merge_
+
+    fp32_fwd, _ = gpu
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    b, s_q, s_k, h, h_kv, d = shape
+    q, k, v = _inputs(shape, dtype, seed=2)
+    _, k0, v0 = _inputs((b, s_q, 200, h, h_kv, d), dtype, seed=3)
+    common = dict(causal=kw.pop("causal"), window=kw.pop("window", (None, None)), softcap=kw.pop("softcap", 0.0),
+                  softmax_scale=d ** -0.5)
+    o0, l0 = fp32_fwd(q, k0, v0, causal=False, softmax_scale=d ** -0.5)  # the accumulator so far
+    o0[:, :16], l0[:, :, :16] = 0.0, -math.inf  # rows no earlier block reached
+    ref_o, ref_l = o0.clone(), l0.clone()
+    o1, l1 = fp32_fwd(q, k, v, **common)
+    merge_lse_(ref_o, ref_l, o1, l1)
+
+    acc_buf = torch.full((b, s_q, 2 * h, d), math.nan, device="cuda")
+    acc = acc_buf[:, :, 1::2]  # every other head: a strided accumulator
+    acc.copy_(o0)
+    planes_buf = torch.full((b, h, 2, s_q + 24), math.nan, device="cuda")
+    planes = planes_buf[..., 8:8 + s_q]
+    planes[:, :, 0] = l0
+    got = fa4_forward_merge_(q, k, v, acc, planes, **common)
+    assert got.data_ptr() == planes[:, :, 1].data_ptr()
+    torch.testing.assert_close(got, l1, rtol=0, atol=0)  # the same kernel's lse, -inf rows included
+    torch.testing.assert_close(planes[:, :, 0], ref_l, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc, ref_o, rtol=1e-5, atol=1e-6)
+    both = torch.isinf(ref_l).permute(0, 2, 1)  # (b, s_q, h)
+    assert (acc[both] == 0).all(), name
+    assert torch.isnan(acc_buf[:, :, 0::2]).all()
+    assert torch.isnan(planes_buf[..., :8]).all() and torch.isnan(planes_buf[..., 8 + s_q:]).all()
+    with pytest.raises(ValueError, match="planes"):
+        fa4_forward_merge_(q, k, v, acc, planes.contiguous(), **common)  # not a view of (b, h, 2, S)
 
 
 if __name__ == "__main__":  # subprocess entry: python test_fa4_fp32.py ARCH RESULT_JSON

@@ -47,6 +47,28 @@ def test_fallback_uses_next_backend_on_refusal():
                                                   ref.backward(do, q, k, v, o, l, AttnSpec(causal=True))))
 
 
+class _Merges(_Refuses):
+    def __init__(self, result):
+        self.result = result
+
+    def forward_merge(self, q, k, v, spec, out_acc, planes):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def test_fallback_forward_merge_asks_the_first_backend_only():
+    """``forward_merge`` of an auto chain: the first backend's answer; None when it has none or
+    refuses (the caller then runs forward through the whole chain); never a later backend's."""
+    ref = get_backend("reference")
+    args = (None, None, None, AttnSpec(), None, None)
+    assert FallbackBackend([_Merges("merged"), ref]).forward_merge(*args) == "merged"
+    assert FallbackBackend([_Merges(BackendUnsupported("no")), ref]).forward_merge(*args) is None
+    assert FallbackBackend([_Refuses(), _Merges("merged")]).forward_merge(*args) is None
+    with pytest.raises(ValueError):
+        FallbackBackend([_Merges(ValueError("bad input")), ref]).forward_merge(*args)
+
+
 def test_sdpa_refusal_is_backend_unsupported_not_value_error():
     q, k, v, _ = random_qkv(1, 8, 8, 2, 2, 8)
     with pytest.raises(BackendUnsupported):

@@ -116,3 +116,31 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
             assert e32 <= e16 * 1.001, (name, e32, e16)
         else:  # the hops' bf16 rounding dominates (H200: 2.8x one full call's error, both ways)
             assert e32 <= 1.05 * e16, (name, e32, e16)
+
+
+@pytest.mark.parametrize("h_kv,kw", [(8, {"causal": True}), (2, {"causal": True, "window": (700, 0)}), (2, {})],
+                         ids=str)
+def test_ring_epilogue_merge_fa4(h_kv, kw, monkeypatch):
+    """RINGFA4_EPILOGUE_MERGE=1 (kernels/fa4_merge.py, sm90): every block merges inside FA4's
+    epilogue; P = 8 ring out / lse within 1.0x one full FA4 call's error against float64 (+1%) and
+    equal to the scratch-and-merge ring's up to fp32 rounding; the block kernel is the merging one."""
+    from ringfa4.kernels import fa4_fp32
+
+    P = 8
+    q, k, v, do = random_qkv(1, 8192, 8192, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
+    ref = reference_grads(q, k, v, do, **kw)
+    be = get_backend("fa4")
+    o, l = be.forward(q, k, v, AttnSpec(**kw))
+    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
+    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "0")
+    plain = _run(cp, q, k, v, do, **kw)
+    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
+    fa4_fp32._CACHE.clear()
+    fused = _run(cp, q, k, v, do, **kw)
+    assert fa4_fp32._CACHE and all(key.merge for key in fa4_fp32._CACHE), list(fa4_fp32._CACHE)
+    for name, a, b, f, r in zip(("out", "lse"), fused, plain, (o, l), ref):
+        ea, eb, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
+        assert ea <= 1.01 * ef, (name, ea / ef, eb / ef)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv"), fused[2:], plain[2:]):
+        assert rel_err(a, b.double()) <= 1e-2, name  # the same backward from (almost) the same out, lse

@@ -98,6 +98,12 @@ def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
     return kw
 
 
+def _arch() -> int:
+    from flash_attn.cute import interface
+
+    return interface._get_device_arch()
+
+
 class Fa4Backend:
     """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
 
@@ -164,6 +170,32 @@ class Fa4Backend:
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
+
+    @torch.compiler.disable
+    def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                      out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
+        """One ring block merged inside FA4's epilogue (:mod:`.fa4_merge`, sm90): ``out_acc (b, s_q,
+        h, d)`` float32 and the lse ``planes (b, h, 2, s_q)`` (running, block) updated in place;
+        returns the block's lse (plane 1), or None, touching nothing, where it cannot run (varlen,
+        not sm90, d != d_v, head dims FA4 lacks): the caller then runs forward and a merge."""
+        from . import fa4_merge
+
+        if spec.varlen or q.dim() != 4 or q.device.type != "cuda" or q.dtype not in _DTYPES \
+                or v.shape[-1] != q.shape[-1] or not fa4_merge.can_implement(_arch()):
+            return None
+        validate_block(q, k, v, spec)
+        try:
+            _check_inputs(q, spec)
+        except Fa4Unsupported:  # forward raises it then, through the caller's fallback
+            return None
+        _check_buffer(out_acc, "out_acc", tuple(q.shape), torch.float32, q)
+        fa4_merge.check_planes(planes, q)
+        try:
+            return fa4_merge.fa4_forward_merge_(q, k, v, out_acc, planes, causal=spec.causal,
+                                                softmax_scale=spec.scale(q.shape[-1]),
+                                                window=(spec.window_left, spec.window_right), softcap=spec.softcap)
+        except (ValueError, TypeError, NotImplementedError):  # head dims etc.: raised before anything ran
+            return None
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        spec: AttnSpec) -> _Fa4Accum | None:

@@ -59,6 +59,7 @@ class Fp32Key:
     mma_pv_is_rs: bool  # sm90 only
     intra_wg_overlap: bool  # sm90 only
     broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
+    merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4_merge.py)
 
 
 @functools.cache
@@ -80,33 +81,45 @@ def _sm90_class() -> type:
                 raise TypeError(f"O must be Float32, got {mO_type}")
             super()._check_type(mQ_type, mK_type, mV_type, mQ_type, *rest)
 
+        def thread_rows(self, tiled_mma, tidx, m_block, seqlen):
+            """(thread's MMA slice, its (row, col) coordinates, thread 0's, rows left in the tile).
+            Rows are compared through thread 0's coordinates (compile-time) against a per-thread
+            bound, as FA4 does. Traced inline into the epilogues."""
+            thr_mma = tiled_mma.get_slice(tidx)
+            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+            tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))  # (rows, cols) of this thread
+            t0OcO = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(0).partition_C(cO))
+            return thr_mma, tOcO, t0OcO, seqlen.seqlen_q - m_block * self.tile_m - tOcO[0][0]
+
+        def row_tensor(self, thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx):
+            """This thread's rows of ``mLSE`` (one value a row, broadcast over the columns) and the tile's
+            gmem tensor of them."""
+            mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
+            gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
+            bcast = cute.append(gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,)))
+            return layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cute.make_tensor(gLSE.iterator, bcast))), gLSE
+
+        def o_tile(self, thr_mma, mO, seqlen, m_block, head_idx, batch_idx):
+            """This thread's elements of the tile's O rows in gmem, (rows, cols)."""
+            mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3)[None, None, head_idx]
+            gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
+            return layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gO))
+
         @cute.jit
         def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
                      tidx, m_block, head_idx, batch_idx):
             # acc_O is already normalized (softmax.finalize + rescale_O); lse holds the row lse.
             # Nothing goes through smem, so no barrier is needed (the CTA runs a single tile).
             assert not self.pack_gqa
-            thr_mma = tiled_mma.get_slice(tidx)
-            cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
-            tOcO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cO))  # (rows, cols) of this thread
-            t0OcO = layout_utils.reshape_acc_to_mn(tiled_mma.get_slice(0).partition_C(cO))
-            # Rows are compared through thread 0's coordinates (compile-time) against a per-thread
-            # bound, as FA4 does.
-            rows_left = seqlen.seqlen_q - m_block * self.tile_m - tOcO[0][0]
+            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
             if const_expr(mLSE is not None):  # one thread per row (the one holding column 0) writes
-                mLSE_cur = seqlen.offset_batch_Q(mLSE, batch_idx, dim=2)[None, head_idx]
-                gLSE = cute.local_tile(mLSE_cur, (self.tile_m,), (m_block,))
-                gLSE = cute.make_tensor(
-                    gLSE.iterator, cute.append(gLSE.layout, cute.make_layout((self.tile_hdimv,), stride=(0,))))
-                tOgLSE = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gLSE))
+                tOgLSE, _ = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
                 assert cute.size(tOgLSE, mode=[0]) == cute.size(lse)
                 if tOcO[0][1] == 0:
                     for m in cutlass.range_constexpr(cute.size(tOgLSE, mode=[0])):
                         if t0OcO[m, 0][0] < rows_left:
                             tOgLSE[m, 0] = lse[m]
-            mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3)[None, None, head_idx]
-            gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
-            tOgO = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gO))
+            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
             tOrO = layout_utils.reshape_acc_to_mn(acc_O)
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
                 if t0OcO[m, 0][0] < rows_left:
@@ -129,7 +142,10 @@ def _make_kernel(key: Fp32Key) -> Any:
                   pack_gqa=False, score_mod=score_mod)
     if key.arch // 10 == 9:
         from flash_attn.cute.interface import torch2cute_dtype_map
-        return _sm90_class()(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, tile_m=key.tile_m,
+
+        from .fa4_merge import _sm90_merge_class
+        cls = _sm90_merge_class() if key.merge else _sm90_class()
+        return cls(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, tile_m=key.tile_m,
                              tile_n=key.tile_n, num_stages=2, num_threads=384, Q_in_regs=False,
                              intra_wg_overlap=key.intra_wg_overlap, mma_pv_is_rs=key.mma_pv_is_rs, **common)
     return FlashAttentionForwardSm100(key.head_dim, key.head_dim, is_split_kv=True, m_block_size=key.tile_m,
@@ -209,8 +225,9 @@ def fa4_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     return out, lse
 
 
-def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
-    """fa4_forward_fp32, also returning the cache key (None when nothing ran)."""
+def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, merge: bool = False):
+    """fa4_forward_fp32, also returning the cache key (None when nothing ran). ``merge``: out and lse
+    are the accumulator and running-lse plane of :func:`.fa4_merge.fa4_forward_merge_` (required)."""
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -231,6 +248,8 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
     arch = interface._get_device_arch() if arch is None else arch
     if arch // 10 not in (9, 10, 11):
         raise NotImplementedError(f"the fp32-output FA4 forward runs on sm90 / sm100 only, got sm{arch}")
+    if merge and (arch // 10 != 9 or out is None or lse is None):
+        raise NotImplementedError(f"the merging FA4 forward runs on sm90 only, into given out / lse (sm{arch})")
     try:
         interface._validate_head_dims(d, d, arch // 10, 16 // q.element_size())
     except AssertionError as exc:
@@ -246,6 +265,8 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
     if s_q == 0 or b == 0:
         return out, lse, None
     if s_k == 0:
+        if merge:  # no key: the block adds nothing to the accumulator
+            return out, lse, None
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse, None
@@ -259,7 +280,7 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
                   has_window_left=wl is not None, has_window_right=wr is not None,
                   softcap=float(softcap) if softcap else None, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
                   q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
-                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)))
+                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge)
     split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
     o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
     if key not in _CACHE:
@@ -275,9 +296,10 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch):
 
 def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,
                  *, window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0,
-                 shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4)) -> Compiled:
+                 shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4), merge: bool = False) -> Compiled:
     """Compile (without running) the fp32-output forward for ``arch`` ('sm_90a', 'sm_100a', 90, 100)
-    on fake CUDA tensors of ``shape = (b, s_q, s_k, h, h_kv)``; returns the cache entry.
+    on fake CUDA tensors of ``shape = (b, s_q, s_k, h, h_kv)``; returns the cache entry. ``merge``:
+    the merging variant (sm90, :mod:`.fa4_merge`).
 
     Needs no GPU, but the process must target that arch before cutlass is first imported
     (``CUTE_DSL_ARCH=sm_90a`` / ``sm_100a``; FA4 also reads ``FLASH_ATTENTION_ARCH``), and CUDA
@@ -291,5 +313,8 @@ def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim:
     with FakeTensorMode():
         q = torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda")
         kv = torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda")
-        _, _, key = _forward(q, kv, kv, causal, head_dim ** -0.5, window, softcap, None, None, arch_num)
+        out = torch.empty(b, s_q, h, head_dim, dtype=torch.float32, device="cuda") if merge else None
+        planes = torch.empty(b, h, 2, s_q, dtype=torch.float32, device="cuda")
+        run = planes.narrow(2, 0, 1).squeeze(2) if merge else None  # narrow: [] needs CUDA on fake tensors
+        _, _, key = _forward(q, kv, kv, causal, head_dim ** -0.5, window, softcap, out, run, arch_num, merge=merge)
     return _CACHE[key]

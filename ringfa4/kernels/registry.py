@@ -90,6 +90,15 @@ class FallbackBackend:
         begin = getattr(self.chain[0], "begin_backward", None)
         return begin(dout, q, out, lse, spec) if begin is not None else None
 
+    def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        """The first backend's merging forward, or None (the caller then runs ``forward`` and a merge,
+        through the whole chain)."""
+        merge = getattr(self.chain[0], "forward_merge", None)
+        try:
+            return merge(q, k, v, spec, out_acc, planes) if merge is not None else None
+        except BackendUnsupported:
+            return None
+
 
 @functools.cache
 def _cached(name: str, options: tuple) -> BlockBackend:

@@ -50,6 +50,12 @@ class Block:
         r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
         return backend.forward(q[:, r], k[:, c], v[:, c], self.spec(base), out=scratch_o[:, r], lse=scratch_l[:, :, r])
 
+    def forward_merge(self, backend, q, k, v, base, out_acc, planes):
+        """This block merged into its rows of ``out_acc`` and the lse ``planes (b, h, 2, s)`` inside
+        the backend's kernel; the block's lse, or None where the backend cannot."""
+        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
+        return backend.forward_merge(q[:, r], k[:, c], v[:, c], self.spec(base), out_acc[:, r], planes[..., r])
+
     def merge(self, out_acc, lse_acc, o, l) -> None:
         merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
 

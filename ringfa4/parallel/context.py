@@ -26,7 +26,16 @@ from ..kernels.output_cache import record_output, replay_output
 from ..kernels.validate import validate_block
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
 from .checks import check_local, exchange_and_check, peer_failure, post_error
-from .executor import RingRun, dkv_wire_fp32, fp32_grads, fp32_partials, ring_backward, ring_forward, ring_slots
+from .executor import (
+    RingRun,
+    dkv_wire_fp32,
+    epilogue_merge,
+    fp32_grads,
+    fp32_partials,
+    ring_backward,
+    ring_forward,
+    ring_slots,
+)
 from .layouts import HybridLayout, Layout, make_layout
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import CPPlan, detect_nvlink_domain, plan_cp
@@ -247,7 +256,7 @@ class ContextParallel:
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport, ring_slots(), fp32_partials(q.device),
-                       dkv_wire_fp32(), fp32_grads())
+                       dkv_wire_fp32(), fp32_grads(), epilogue_merge())
 
     # per-rank views for the simulated executor
     def _split(self, x: torch.Tensor, packing: Packing | None = None, dim: int | None = None) -> list[torch.Tensor]:

@@ -22,8 +22,8 @@ from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["ExactLse", "RingRun", "dkv_wire_fp32", "fp32_grads", "fp32_partials", "ring_backward", "ring_forward",
-           "ring_slots"]
+__all__ = ["ExactLse", "RingRun", "dkv_wire_fp32", "epilogue_merge", "fp32_grads", "fp32_partials", "ring_backward",
+           "ring_forward", "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class RingRun:
     fp32_partials: bool = False  # block outputs in fp32 (no rounding to q's dtype before the merge)
     dkv_wire_fp32: bool = True  # dK/dV accumulate and travel in fp32 (False: in k's dtype, half the bytes)
     fp32_grads: bool = False  # block gradients never rounded to the inputs' dtype (backend.begin_backward)
+    epilogue_merge: bool = False  # blocks merge inside the attention kernel (backend.forward_merge)
 
     @property
     def active_steps(self) -> int:
@@ -77,6 +78,17 @@ def fp32_grads() -> bool:
     raw = os.environ.get("RINGFA4_FP32_GRADS", "1")
     if raw not in ("0", "1"):
         raise ValueError(f"RINGFA4_FP32_GRADS must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def epilogue_merge() -> bool:
+    """``RINGFA4_EPILOGUE_MERGE=1``: fp32 ring forwards merge each block inside the attention kernel's
+    epilogue where the backend offers ``forward_merge`` (FA4 on sm90: kernels/fa4_merge.py), so no
+    block output is written and read back. ``0`` (default until the kernel has run on the H200):
+    block outputs go to a scratch and a merge kernel folds them in."""
+    raw = os.environ.get("RINGFA4_EPILOGUE_MERGE", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"RINGFA4_EPILOGUE_MERGE must be 0 or 1, got {raw!r}")
     return raw == "1"
 
 
@@ -183,7 +195,10 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
     lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
-    merge = (_SlotCombine if run.slots else _StepMerge)(qs, outs, lses, dv, lse_dtype, run.slots, part)
+    fused = run.epilogue_merge and run.fp32_partials and getattr(run.backend, "forward_merge", None) is not None \
+        and acc != q0.dtype and q0.dim() == 4 and not run.slots
+    merge = (_EpilogueMerge if fused else _SlotCombine if run.slots else _StepMerge)(
+        qs, outs, lses, dv, lse_dtype, run.slots, part)
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
         handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
@@ -191,8 +206,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
             k_t, v_t = bufs.view(cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
             rows = _rows(run, r, qs[i])
             for blk in run.schedule.blocks(r, t):
-                o, l = blk.forward(run.backend, qs[i], k_t, v_t, run.spec, *merge.target(i))
-                merge.add(i, blk, o, l, rows)
+                merge.block(run, i, blk, qs[i], k_t, v_t, rows)
         if handle is not None:
             run.transport.wait(handle)
             cur, nxt = nxt, cur
@@ -221,7 +235,15 @@ class ExactLse:
                 lse.copy_(exact)
 
 
-class _StepMerge:
+class _Merge:
+    """A forward merge strategy: ``block`` runs one block of a rank and folds it in; ``finish``."""
+
+    def block(self, run: RingRun, i: int, blk, q, k, v, rows: int) -> None:
+        o, l = blk.forward(run.backend, q, k, v, run.spec, *self.target(i))
+        self.add(i, blk, o, l, rows)
+
+
+class _StepMerge(_Merge):
     """Each block's output lands in one scratch and merges into the fp32 accumulator at once (the
     first block over all rows is copied instead)."""
 
@@ -252,7 +274,28 @@ class _StepMerge:
         self.exact.finish()
 
 
-class _SlotCombine:
+class _EpilogueMerge(_StepMerge):
+    """Each block merges into the fp32 accumulator inside the attention kernel (the backend's
+    ``forward_merge``): per rank the lse lives in ``(b, h, 2, s)`` planes, the running fp32 lse the
+    kernel weighs with and the block's lse, which also feeds :class:`ExactLse`. A block the backend
+    declines (returns None) runs as in :class:`_StepMerge`, into the same running lse."""
+
+    def __init__(self, qs, outs, lses, dv, lse_dtype, slots, part_dtype) -> None:
+        super().__init__(qs, outs, lses, dv, lse_dtype, slots, part_dtype)
+        self.planes = [torch.full((q.shape[0], q.shape[2], 2, q.shape[1]), -math.inf, dtype=torch.float32,
+                                  device=q.device) for q in qs]
+        self.lses = [p[:, :, 0] for p in self.planes]  # the running lse (ExactLse writes the final ``lses``)
+        self.fresh = [False] * len(qs)  # the accumulator starts at out = 0, lse = -inf: always merge
+
+    def block(self, run: RingRun, i: int, blk, q, k, v, rows: int) -> None:
+        l = blk.forward_merge(run.backend, q, k, v, run.spec, self.outs[i], self.planes[i])
+        if l is None:
+            super().block(run, i, blk, q, k, v, rows)
+        else:
+            self.exact.add(i, blk, l)
+
+
+class _SlotCombine(_Merge):
     """Deferred correction: block outputs go to ``n`` slots (rows a slot's block did not write
     keep lse = -inf); every n blocks one combine reads the slots once and updates the
     accumulator: per block about 2 + 8/n bytes of traffic an element instead of a merge's 10."""

@@ -1,0 +1,135 @@
+"""A ring step's FA4 forward that merges its block straight into the ring's fp32 accumulator.
+
+The ring forward otherwise writes each block's output (fp32, :mod:`.fa4_fp32`) to a scratch and a
+separate merge kernel reads it back with the accumulator: per element 4 bytes written and 12 read
+or written again by the merge, memory-bound passes that were most of the ring's forward overhead
+on the H200 (64k, P = 8: the merges ran at ~3.9 TB/s, the copy ceiling). Here the epilogue of
+FA4's sm90 forward (``_Sm90Fp32Out`` of :mod:`.fa4_fp32`, subclassed again) does the merge while
+the normalized block output is still in registers:
+
+    w_acc = exp(lse_acc - m) / z,  w_blk = exp(lse_blk - m) / z,   m = max(lse_acc, lse_blk),
+    z = exp(lse_acc - m) + exp(lse_blk - m);   out_acc <- w_acc * out_acc + w_blk * o_blk
+
+so per element the kernel reads the accumulator once and writes it once, and nothing else runs
+over the outputs. Rows where both lse are -inf keep ``out_acc`` (0 for a fresh accumulator).
+
+Contract (checked on the host): the lse lives in ``planes (b, h, 2, s_q)`` float32 (views with
+last-dim stride 1, e.g. the rows ``[q0, q1)`` of a rank's ``(b, h, 2, S)`` buffer): plane 0 is
+the running lse the weights use (read only by the kernel), plane 1 receives the block's lse. The
+kernel gets plane 0 as FA4's ``mLSE`` and finds plane 1 one plane stride further, which is half
+of ``mLSE``'s head stride; so the planes' head stride must be exactly twice their plane stride.
+After the kernel :func:`fa4_forward_merge_` updates plane 0 to ``logaddexp(plane 0, plane 1)``
+(a few bytes a row). ``out_acc (b, s_q, h, d)`` float32 (strided views allowed, 16-byte aligned).
+The block's lse stays in plane 1 for a float64 running lse (the executor's ``ExactLse``).
+
+Within a row every thread reads plane 0 and the one holding column 0 writes plane 1, so no row's
+running lse changes while the kernel reads it. sm90 only; on sm100 :func:`can_implement` is False.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
+
+
+@functools.cache
+def _sm90_merge_class() -> type:
+    """``_Sm90Fp32Out`` whose epilogue merges into (out_acc, plane 0) instead of storing."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+    from quack import layout_utils
+
+    from .fa4_fp32 import _sm90_class
+
+    log2_e = math.log2(math.e)
+
+    class _Sm90MergeOut(_sm90_class()):
+        @cute.jit
+        def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
+                     tidx, m_block, head_idx, batch_idx):
+            # acc_O: this block's normalized output; lse: its row lse (natural log). Every store is
+            # straight from registers to global memory (no smem, no barrier), as in the base class.
+            assert not self.pack_gqa
+            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
+            # plane 0 (running lse) is mLSE; plane 1 (block lse) lies half a head stride further
+            tOgRun, gRun = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
+            bcast = cute.append(gRun.layout, cute.make_layout((self.tile_hdimv,), stride=(0,)))
+            gBlk = cute.make_tensor(gRun.iterator + mLSE.stride[1] // 2, bcast)
+            tOgBlk = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gBlk))
+            assert cute.size(tOgRun, mode=[0]) == cute.size(lse)
+            w_acc = cute.make_rmem_tensor_like(lse, Float32)
+            w_blk = cute.make_rmem_tensor_like(lse, Float32)
+            for m in cutlass.range_constexpr(cute.size(lse)):
+                w_acc[m] = Float32(0.0)
+                w_blk[m] = Float32(0.0)
+                if t0OcO[m, 0][0] < rows_left:
+                    run = Float32(tOgRun[m, 0])
+                    top = cute.arch.fmax(run, lse[m])
+                    if top != -Float32.inf:
+                        e_acc = cute.math.exp2((run - top) * log2_e)
+                        e_blk = cute.math.exp2((lse[m] - top) * log2_e)
+                        inv = Float32(1.0) / (e_acc + e_blk)
+                        w_acc[m] = e_acc * inv
+                        w_blk[m] = e_blk * inv
+                    if tOcO[0][1] == 0:  # one thread per row stores the block's lse
+                        tOgBlk[m, 0] = lse[m]
+            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
+            tOrO = layout_utils.reshape_acc_to_mn(acc_O)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
+                if t0OcO[m, 0][0] < rows_left:
+                    if const_expr(not self.check_hdim_v_oob):
+                        prev = cute.make_rmem_tensor_like(tOrO[m, None], Float32)
+                        cute.autovec_copy(tOgO[m, None], prev)
+                        for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                            prev[n] = w_acc[m] * prev[n] + w_blk[m] * tOrO[m, n]
+                        cute.autovec_copy(prev, tOgO[m, None])
+                    else:
+                        for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                            if tOcO[m, n][1] < mO.shape[1]:
+                                tOgO[m, n] = w_acc[m] * tOgO[m, n] + w_blk[m] * tOrO[m, n]
+
+    return _Sm90MergeOut
+
+
+def can_implement(arch: int) -> bool:
+    """Whether the merging forward runs for this arch (FA4's number: 90, 100...)."""
+    return arch // 10 == 9
+
+
+def check_planes(planes: torch.Tensor, q: torch.Tensor) -> None:
+    """ValueError unless ``planes`` is a ``(b, h, 2, s_q)`` float32 view as the module doc asks."""
+    b, s_q, h, _ = q.shape
+    if tuple(planes.shape) != (b, h, 2, s_q) or planes.dtype != torch.float32 or planes.device != q.device:
+        raise ValueError(f"lse planes must be ({b}, {h}, 2, {s_q}) float32 on {q.device}, got "
+                         f"{tuple(planes.shape)} {planes.dtype} on {planes.device}")
+    if planes.stride(-1) != 1 or planes.stride(1) != 2 * planes.stride(2):
+        raise ValueError(f"lse planes need last-dim stride 1 and a head stride twice the plane stride (a view of "
+                         f"a (b, h, 2, S) buffer), got strides {planes.stride()}")
+
+
+@torch.compiler.disable
+def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_acc: torch.Tensor,
+                       planes: torch.Tensor, *, causal: bool, softmax_scale: float,
+                       window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0) -> torch.Tensor:
+    """Attention of ``q (b, s_q, h, d)`` over ``k, v (b, s_k, h_kv, d)`` (fp16 / bf16; masks as in
+    :func:`.fa4_fp32.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the lse
+    ``planes (b, h, 2, s_q)`` float32 in place (see the module doc). Returns plane 1, the block's lse
+    ``(b, h, s_q)``."""
+    from .fa4_fp32 import _forward
+
+    check_planes(planes, q)
+    run, blk = planes[:, :, 0], planes[:, :, 1]
+    key = _forward(q, k, v, causal, softmax_scale, window, softcap, out_acc, run, None, merge=True)[2]
+    if key is None:  # nothing ran (no rows, or no keys: the block adds nothing)
+        blk.fill_(-math.inf)
+        return blk
+    from flash_attn.cute.testing import is_fake_mode
+
+    if not is_fake_mode():
+        torch.logaddexp(run, blk, out=run)
+    return blk
