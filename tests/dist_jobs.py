@@ -38,6 +38,23 @@ def ring_case(layout, dtype, shape, kw, seed, ulysses=1):
     return {"full": full, "identical": identical} if dist.get_rank() == 0 else {"identical": identical}
 
 
+def ring_case_backend_layout(layout, shape, kw, align):
+    """ring_case (float64, fp32 block gradients) with the reference AccumBackward offering a
+    head-major dK/dV layout of ``align``; also which layout this rank's states ended up using."""
+    from helpers import HeadMajorGrads
+
+    from ringfa4.kernels.reference import _ReferenceAccum
+
+    made = []
+    _ReferenceAccum.kv_layout = lambda self, k, cap: made.append(HeadMajorGrads(k, cap, align)) or made[-1]
+    try:
+        res = ring_case(layout, torch.float64, shape, kw, 7)
+    finally:
+        del _ReferenceAccum.kv_layout
+    res["native"] = [m.dense_calls > 0 for m in made[:1]]  # the distributed run's state (made first)
+    return res
+
+
 def placement(layout, S, ulysses=1):
     """shard/unshard/positions agree with the layout; returns positions and the round trip."""
     cp = ringfa4.ContextParallel(layout=layout, ulysses=ulysses)

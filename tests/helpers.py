@@ -99,3 +99,23 @@ def random_cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     for n in lengths:
         cu.append(cu[-1] + n)
     return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+class HeadMajorGrads:
+    """A backend-native dK/dV layout for executor tests (an AccumBackward's ``kv_layout``):
+    ``(b, h_kv, cap, d)`` per tensor, blocks addressable at multiples of ``align``."""
+
+    def __init__(self, k, cap, align):
+        self.shape = (k.shape[0], k.shape[2], cap, k.shape[3])
+        self.numel, self.align, self.dense_calls = 2 * math.prod(self.shape), align, 0
+
+    def _halves(self, buf):
+        return buf[: self.numel // 2].view(self.shape), buf[self.numel // 2:].view(self.shape)
+
+    def cols(self, buf, rows, k0, k1):
+        assert k0 % self.align == 0, (k0, self.align)
+        return tuple(t[:, :, k0:k1].permute(0, 2, 1, 3) for t in self._halves(buf))
+
+    def dense(self, buf, rows):
+        self.dense_calls += 1
+        return tuple(t[:, :, :rows].permute(0, 2, 1, 3) for t in self._halves(buf))

@@ -283,6 +283,7 @@ MERGE_CASES = [  # (name, (b, s_q, s_k, h, h_kv, d), kwargs of the merged block)
     ("full_gqa", (2, 300, 384, 8, 2, 128), dict(causal=False)),
     ("window_d64", (1, 384, 384, 4, 4, 64), dict(causal=False, window=(96, 32))),
     ("softcap_fp16", (2, 256, 512, 4, 4, 128), dict(causal=True, softcap=30.0, dtype=torch.float16)),
+    ("one_head", (1, 256, 384, 1, 1, 128), dict(causal=True)),  # h = 1: plane 1 found through a size-1 dim
 ]
 
 
@@ -324,8 +325,8 @@ def test_merge_epilogue_vs_torch_merge(gpu, name, shape, kw):
     assert (acc[both] == 0).all(), name
     assert torch.isnan(acc_buf[:, :, 0::2]).all()
     assert torch.isnan(planes_buf[..., :8]).all() and torch.isnan(planes_buf[..., 8 + s_q:]).all()
-    with pytest.raises(ValueError, match="planes"):
-        fa4_forward_merge_(q, k, v, acc, planes.contiguous(), **common)  # not a view of (b, h, 2, S)
+    with pytest.raises(ValueError, match="planes"):  # plane 1 is not half a head stride after plane 0
+        fa4_forward_merge_(q, k, v, acc, torch.zeros(b, h, 3, s_q, device="cuda")[:, :, :2], **common)
 
 
 if __name__ == "__main__":  # subprocess entry: python test_fa4_fp32.py ARCH RESULT_JSON

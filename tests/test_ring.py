@@ -6,12 +6,10 @@ Criterion: error against float64 <= 2x the same backend's error on the full sequ
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from dist_pool import Pool
-from helpers import random_qkv, reference_grads, rel_err
+from helpers import HeadMajorGrads, random_qkv, reference_grads, rel_err
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend
@@ -117,6 +115,23 @@ def test_gloo_ring_matches_float64_and_simulated(pools, world, layout, dtype, kw
     ref = reference_grads(q, k, v, do, **kw)
     base = _full_backend_errors(q, k, v, do, kw, ref)
     _assert_close(res[0][1]["full"], ref, base, dtype, f"gloo P={world} {layout} {kw}")
+
+
+@pytest.mark.parametrize("layout,kw,native", [("contiguous", {"causal": True, "window": (20, 0)}, False),
+                                               ("zigzag", {"causal": True}, True)], ids=str)
+def test_gloo_fp32_grads_in_a_backend_layout(pools, layout, kw, native):
+    """Distributed ranks choose the same dK/dV layout (they pass the buffers on): with a window,
+    some rank's blocks start off the layout's alignment, so every rank takes the dense one; the
+    gradients match float64 and the simulated executor bit for bit."""
+    world, shape = 2, (1, 2 * 2 * 16, 2, 2, 8)
+    res = pools(world).run("ring_case_backend_layout", layout, shape, kw, 16)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["identical"] for _, value in res), "distributed and simulated executors differ"
+    assert all(value["native"] == [native] for _, value in res), res  # one state per rank
+    q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=torch.float64, seed=7)
+    ref = reference_grads(q, k, v, do, **kw)
+    _assert_close(res[0][1]["full"], ref, _full_backend_errors(q, k, v, do, kw, ref), torch.float64,
+                  f"gloo backend layout {layout} {kw}")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -333,25 +348,6 @@ def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
         grads()
 
 
-class _HeadMajorGrads:
-    """A backend-native dK/dV layout for the executor test: ``(b, h_kv, cap, d)`` per tensor."""
-
-    def __init__(self, k, cap, align):
-        self.shape = (k.shape[0], k.shape[2], cap, k.shape[3])
-        self.numel, self.align, self.dense_calls = 2 * math.prod(self.shape), align, 0
-
-    def _halves(self, buf):
-        return buf[: self.numel // 2].view(self.shape), buf[self.numel // 2:].view(self.shape)
-
-    def cols(self, buf, rows, k0, k1):
-        assert k0 % self.align == 0, (k0, self.align)
-        return tuple(t[:, :, k0:k1].permute(0, 2, 1, 3) for t in self._halves(buf))
-
-    def dense(self, buf, rows):
-        self.dense_calls += 1
-        return tuple(t[:, :, :rows].permute(0, 2, 1, 3) for t in self._halves(buf))
-
-
 @pytest.mark.parametrize("align,window,native", [(16, None, True), (4, (20, 0), True), (8, (20, 0), False)])
 def test_fp32_grads_in_a_backend_layout(align, window, native, monkeypatch):
     """An AccumBackward's ``kv_layout``: dK/dV accumulate and travel in the backend's own layout
@@ -372,7 +368,7 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, monkeypatch):
     dense = grads()
     made = []
     monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
-        _HeadMajorGrads(k, cap, align)) or made[-1], raising=False)
+        HeadMajorGrads(k, cap, align)) or made[-1], raising=False)
     got = grads()
     assert made and all(lay.dense_calls == (P if native else 0) for lay in made), [m.dense_calls for m in made]
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
@@ -442,9 +438,14 @@ def test_fp32_partials_default_auto(monkeypatch):
 @pytest.mark.parametrize("fp32_grads", ["0", "1"])
 def test_dkv_on_the_wire_in_the_input_dtype(fp32_grads, monkeypatch):
     """RINGFA4_DKV_WIRE=input: dK/dV travel (and accumulate) in bf16; fp32 (default) keeps their
-    error flat in P. Both run, with bf16 or fp32 block gradients; the bf16 wire is the less accurate
-    one at P = 16."""
+    error flat in P. Both run, with bf16 or fp32 block gradients (the backend's AccumBackward is
+    used on either wire exactly when asked); the bf16 wire is the less accurate one at P = 16."""
+    from ringfa4.kernels.reference import ReferenceBackend
+
     monkeypatch.setenv("RINGFA4_FP32_GRADS", fp32_grads)
+    begun = []
+    begin = ReferenceBackend.begin_backward
+    monkeypatch.setattr(ReferenceBackend, "begin_backward", lambda self, *a: begun.append(1) or begin(self, *a))
     P, S = 16, 2 * 16 * 16
     q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=3)
     ref = reference_grads(q, k, v, do, causal=True)
@@ -455,6 +456,8 @@ def test_dkv_on_the_wire_in_the_input_dtype(fp32_grads, monkeypatch):
         qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         ringfa4.attention(qb, kb, vb, cp=cp, causal=True).backward(do.to(torch.bfloat16))
         errs[wire] = (rel_err(kb.grad, ref[3]), rel_err(vb.grad, ref[4]))
+        assert len(begun) == (P if fp32_grads == "1" else 0), (wire, len(begun))
+        begun.clear()
     assert errs["input"][0] > errs["fp32"][0] and errs["input"][1] > errs["fp32"][1], errs
     monkeypatch.setenv("RINGFA4_DKV_WIRE", "fp16")
     with pytest.raises(ValueError, match="RINGFA4_DKV_WIRE"):

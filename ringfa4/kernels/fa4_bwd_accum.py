@@ -361,9 +361,10 @@ class TileKVLayout:
         return tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
 
     def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``dk, dv (b, rows, h_kv, d)`` float32 (dK scaled by the softmax scale)."""
-        dk, dv = self._halves(buf)
-        return (_dense(dk, self.state, "dkv", rows) * self.state.softmax_scale, _dense(dv, self.state, "dkv", rows))
+        """``dk, dv (b, rows, h_kv, d)`` (dK scaled by the softmax scale, float32; dV in the buffer's dtype)."""
+        dk, dv = self._halves(buf)  # dK unscaled (fp32 before scaling, also on a 16-bit wire: one rounding)
+        return (_dense(dk, self.state, "dkv", rows).float() * self.state.softmax_scale,
+                _dense(dv, self.state, "dkv", rows))
 
 
 @functools.cache

@@ -248,18 +248,20 @@ class _StepMerge(_Merge):
     first block over all rows is copied instead)."""
 
     def __init__(self, qs, outs, lses, dv, lse_dtype, _slots, part_dtype) -> None:
-        self.outs, self.lses = outs, lses
-        by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # simulated ranks share one
-        for q in qs:
-            if q.shape not in by_shape:
-                by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (dv,), dtype=part_dtype or q.dtype),
-                                     q.new_empty(_lse_shape(q), dtype=lse_dtype))
-        self.scratch = [by_shape[q.shape] for q in qs]
+        self.outs, self.lses, self.qs = outs, lses, qs
+        self.dv, self.dtypes = dv, (lse_dtype, part_dtype)
+        self.by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # simulated ranks share one
         self.fresh = [True] * len(qs)
         self.exact = ExactLse(lses)
 
     def target(self, i: int):
-        return self.scratch[i]
+        """The block-output scratch of rank i, made at its first use."""
+        q = self.qs[i]
+        if q.shape not in self.by_shape:
+            lse_dtype, part_dtype = self.dtypes
+            self.by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (self.dv,), dtype=part_dtype or q.dtype),
+                                      q.new_empty(_lse_shape(q), dtype=lse_dtype))
+        return self.by_shape[q.shape]
 
     def add(self, i: int, blk, o, l, rows: int) -> None:
         if self.fresh[i] and blk.covers(rows):
@@ -278,7 +280,8 @@ class _EpilogueMerge(_StepMerge):
     """Each block merges into the fp32 accumulator inside the attention kernel (the backend's
     ``forward_merge``): per rank the lse lives in ``(b, h, 2, s)`` planes, the running fp32 lse the
     kernel weighs with and the block's lse, which also feeds :class:`ExactLse`. A block the backend
-    declines (returns None) runs as in :class:`_StepMerge`, into the same running lse."""
+    declines (returns None) runs as in :class:`_StepMerge`, into the same running lse (its output
+    scratch is only made then)."""
 
     def __init__(self, qs, outs, lses, dv, lse_dtype, slots, part_dtype) -> None:
         super().__init__(qs, outs, lses, dv, lse_dtype, slots, part_dtype)
@@ -417,7 +420,8 @@ class _DenseGrads:
 
 def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers):
     """The backend's own dK/dV layout when every local state offers one and every block of the
-    schedule starts at a kv row it can address; else the dense layout."""
+    schedule, on every rank (the buffers travel: all ranks must choose alike), starts at a kv row it
+    can address; else the dense layout."""
     dense = _DenseGrads(gbufs)
     offer = getattr(states[0], "kv_layout", None)
     if offer is None or any(st is None for st in states):
@@ -426,7 +430,7 @@ def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers)
     if layout is None:
         return dense
     sched = run.schedule
-    aligned = all(b.k0 % layout.align == 0 for t in range(run.active_steps) for r in run.ranks
+    aligned = all(b.k0 % layout.align == 0 for t in range(run.active_steps) for r in range(sched.world_size)
                   for b in sched.blocks(r, t))
     return layout if aligned else dense
 
