@@ -7,7 +7,8 @@ writes JSON).
 
 The working set of a row is its measured peak less the weights and state, the checkpointed inputs on
 the GPU and any cached attention outputs. Rows whose working set is above the floor (by more than
-``AT_FLOOR_GIB``: the 32k steps, at 16.4-16.8 GiB, are loss/optimizer dominated) fit, by least squares,
+``AT_FLOOR_GIB``: the 32k steps, at 16.4-16.8 GiB, are loss/optimizer dominated) fit, by least squares
+(rows the fitted line puts under the floor, where the formula predicts the floor, leave the fit),
 
     working set = SLOPE * u + INTERCEPT + old * OLD_EXTRA * u
 
@@ -75,6 +76,21 @@ def fit(points: list[dict]) -> np.ndarray | None:
     return np.linalg.lstsq(a, b, rcond=None)[0]
 
 
+def fit_above_floor(points: list[dict]) -> tuple[np.ndarray | None, list[dict]]:
+    """The fit on the points above the floor; points the fitted line then puts under the floor
+    (where ``max(FLOOR, line)`` predicts them at the floor anyway) leave it, until none does.
+    Returns the constants and the points fitted."""
+    use = [p for p in points if p["working"] > est.FLOOR_GIB + AT_FLOOR_GIB]
+    while True:
+        c = fit(use)
+        if c is None:
+            return None, use
+        keep = [p for p in use if (c[0] + p["old"] * c[2]) * p["u"] + c[1] > est.FLOOR_GIB]
+        if len(keep) == len(use):
+            return c, use
+        use = keep
+
+
 def refit_total(p: dict, c: np.ndarray | None) -> float | None:
     """A point's peak (GiB) with constants c: its fixed parts plus max(FLOOR, line)."""
     if c is None:
@@ -116,8 +132,7 @@ def main() -> None:
             "u": r["seq"] * HIDDEN * BYTES / GIB, "old": int(old), "placement": f"{gpu} GPU/{host} host, group {group}",
             "settings": ("fp32 LoRA, HF norms" if old else "bf16 LoRA, lean norms") + (
                 ", cached attn" if "cached" in r["placement"] else "")})
-    linear = [p for p in points if p["working"] > est.FLOOR_GIB + AT_FLOOR_GIB]
-    c = fit(linear)
+    c, linear = fit_above_floor(points)
     if c is None:
         sys.exit("memory_formula: the rows above the floor do not determine SLOPE, INTERCEPT and OLD_EXTRA")
 
@@ -128,7 +143,7 @@ def main() -> None:
     for p in points:
         r = p["row"]
         in_fit = any(q is p for q in linear)
-        loo = refit_total(p, fit([q for q in linear if q is not p]) if in_fit else c)
+        loo = refit_total(p, fit_above_floor([q for q in points if q is not p])[0] if in_fit else c)
         predicted = p["parts"]["total"]  # the constants of estimate.py
         err = predicted / p["measured"] - 1
         loo_err = None if loo is None else loo / p["measured"] - 1

@@ -22,18 +22,18 @@ def test_formula_predicts_every_measured_step(tmp_path):
     rows = json.loads(out.read_text())
     assert {(r["layers"], r["seq"]) for r in rows} >= {(2, 1 << 19), (2, 1 << 20), (32, 1 << 18)}
     validation = [r for r in rows if r["layers"] == 32]
-    assert len(validation) >= 8 and sum(r["in_fit"] for r in validation) >= 5  # left-out refits, not the floor only
+    assert len(validation) >= 8 and sum(r["in_fit"] for r in validation) >= 4  # left-out refits, not the floor only
     for r in validation:
         assert r["role"] == "validation"
         assert abs(r["error"]) <= 0.05, r
         assert r["loo_error"] is not None and abs(r["loo_error"]) <= 0.05, r
     # The reduced-depth (2-layer) steps are the only points at u = 4 and 8 GiB: they anchor the
-    # extrapolation to full-size steps, so a refit without one of them moves the line a lot (leave-one-out
-    # +8.7% / -9.8%) and the 512k step sits 3.3 GiB under the least-squares line (+6.4%). Held in-sample only.
+    # extrapolation to full-size steps, so a refit without one of them moves the line (leave-one-out
+    # +6.4% / -5.3%); held in-sample (+4.4% / -0.7%).
     for r in rows:
         if r["layers"] < 32:
             assert r["role"] == "fit" and r["in_fit"]
-            assert abs(r["error"]) <= 0.07, r
+            assert abs(r["error"]) <= 0.05, r
 
 
 def test_drifted_constants_fail_the_check(tmp_path):
@@ -51,13 +51,13 @@ def test_parts_of_a_step():
     p = step_peak_bytes(base)
     assert p["inputs_gpu"] == 2 * u and p["inputs_host"] == 0
     assert p["total"] == p["state"] + p["inputs_gpu"] + p["working_set"]
-    assert p["working_set"] == pytest.approx(10.90 * u + 0.29 * GIB)
+    assert p["working_set"] == pytest.approx(11.38 * u - 2.62 * GIB)
     grouped = step_peak_bytes(StepMemory(**{**base.__dict__, "gpu": 0, "host": 11, "group": 3}))
     assert grouped["inputs_gpu"] == 3 * u and grouped["inputs_host"] == 11 * u  # 2 rebuilding + 1 fetched
     old = step_peak_bytes(StepMemory(**{**base.__dict__, "lora_fp32": True, "plain_norms": True}))
-    assert old["working_set"] - p["working_set"] == pytest.approx(15.41 * u)  # fitted together, split 7:13
+    assert old["working_set"] - p["working_set"] == pytest.approx(16.51 * u)  # fitted together, split 7:13
     lora = step_peak_bytes(StepMemory(**{**base.__dict__, "lora_fp32": True}))
-    assert lora["working_set"] - p["working_set"] == pytest.approx(15.41 * 7 / 20 * u, rel=1e-3)
+    assert lora["working_set"] - p["working_set"] == pytest.approx(16.51 * 7 / 20 * u, rel=1e-3)
     short = step_peak_bytes(StepMemory(**{**base.__dict__, "tokens": 4096}))
     assert short["working_set"] == pytest.approx(16.7 * GIB)  # the floor: loss chunk and optimizer
 

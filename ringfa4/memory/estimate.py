@@ -10,28 +10,27 @@ local sequence, ``u = n * H * bytes``:
 - ``gpu``: inputs the plan keeps on the GPU; ``group - 1``: inputs rebuilt at once inside a group;
   one more while a host input is copied back for its layer.
 - ``SLOPE``/``INTERCEPT``/``EXTRA_UNITS``: least squares (benchmarks/memory_formula.py) on the working
-  sets (measured peak less state, GPU inputs and cached attention) of the 7 measured Llama-3.1-8B-shape
-  steps above the floor: with the current defaults (lean RMSNorms, MLP norm folded into the tiles,
-  bf16 LoRA factors) 2 layers at 512k and 1M tokens and 32 layers at 256k; with the old settings (fp32
-  LoRA, transformers' norms) 32 layers at 64k, 128k (with and without cached attention) and 256k.
-  Model: ``SLOPE * u + INTERCEPT + old * OLD_EXTRA * u``, giving 10.90 u + 0.29 GiB. (The 64k step,
-  1.1 GiB above the floor, is in the fit, but the fitted line is under the floor there, 13.4 GiB, so
-  it is predicted at the floor.) Working sets within 0.5 GiB of the floor are not fitted.
+  sets (measured peak less state, GPU inputs and cached attention) of the measured Llama-3.1-8B-shape
+  steps on the line: with the current defaults (lean RMSNorms, MLP norm folded into the tiles, bf16
+  LoRA factors) 2 layers at 512k and 1M tokens and 32 layers at 256k; with the old settings (fp32
+  LoRA, transformers' norms) 32 layers at 128k (with and without cached attention) and 256k.
+  Model: ``SLOPE * u + INTERCEPT + old * OLD_EXTRA * u``, giving 11.38 u - 2.62 GiB. Working sets
+  within 0.5 GiB of the floor are not fitted, nor is a step the fitted line puts under the floor
+  (the 32-layer 64k step, 1.1 GiB above it): the formula predicts the floor there.
 - ``FLOOR``: the 32-layer steps at 32k (16.4-16.8 GiB besides weights and inputs): the loss chunk
   and the optimizer dominate there; they are not in the fit.
 - Other settings add what they keep (``EXTRA_UNITS``). All old-settings steps had fp32 LoRA factors
-  and transformers' RMSNorm together, so only their sum is measured: 15.41 u. It is split between
+  and transformers' RMSNorm together, so only their sum is measured: 16.51 u. It is split between
   ``lora_fp32`` and ``plain_norms`` in the 7:13 ratio of the earlier counts (fp32 LoRA keeps an fp32
   copy of each adapted input, 7 u on the CPU; transformers' norm an fp32 copy of its input, 3 u on the
   CPU, plus fp32 temporaries over the whole sequence in backward, 10 u in the allocator trace); the
   split itself is not measured.
 
 Errors (benchmarks/results/memory_formula_h200.json; peak, predicted against measured): in-sample
-within 2.5% for every 32-layer step (-2.3% to +1.9%, the 32k floor steps within 1%), -1.6% for the
-2-layer 1M step and +6.4% for the 2-layer 512k step (its working set, 40.6 GiB, is 3.3 GiB under the
-line). Leave-one-out (refit without the step): every 32-layer step within 2.5%; the 2-layer 512k and 1M
-steps +8.7% and -9.8%: they are the only points at u = 4 and 8 GiB and carry the extrapolation to
-full-size steps, which is therefore the least checked part.
+-2.3% to +0.7% for every 32-layer step, -0.7% for the 2-layer 1M step and +4.4% for the 2-layer 512k
+step (its working set, 40.6 GiB, is under the line). Leave-one-out (refit without the step): every
+32-layer step within 3.9%; the 2-layer 512k and 1M steps +6.4% and -5.3%: they are the only points at
+u = 4 and 8 GiB and carry the extrapolation to full-size steps, which is therefore the least checked part.
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
-SLOPE, INTERCEPT_GIB, FLOOR_GIB = 10.90, 0.29, 16.7
-# fp32 LoRA + transformers' norms: 15.41 u, measured only together; split 7:13 (see the module doc)
-EXTRA_UNITS = {"lora_fp32": 5.39, "plain_norms": 10.02}
+SLOPE, INTERCEPT_GIB, FLOOR_GIB = 11.38, -2.62, 16.7
+# fp32 LoRA + transformers' norms: 16.51 u, measured only together; split 7:13 (see the module doc)
+EXTRA_UNITS = {"lora_fp32": 5.78, "plain_norms": 10.73}
 
 __all__ = ["StepMemory", "step_peak_bytes"]
 
