@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The H200 runs the open issues still need, in stages that each fit one device call (< 10 min).
+# The H200 runs of the open issues, in stages that each fit one device call (< 10 min).
 # On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
+# Still owed (2026-11-29): merge. The others have run (results in benchmarks/results, README); they
+# stay as the way to re-run them.
 #   kernels   GPU tests: FA4 backward into fp32 accumulators (RINGFA4_FP32_GRADS), the ring on it, the
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
 #   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
