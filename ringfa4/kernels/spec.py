@@ -171,9 +171,11 @@ class AccumBackward(Protocol):
 
     Optional: kv_layout(k, cap) -> a layout of the state's own for dK / dV of ``cap`` kv rows like
     ``k``, or None (dense). The ring then keeps its travelling dK / dV in that layout: flat buffers
-    of ``layout.numel`` fp32 that add elementwise; ``layout.cols(buf, rows, k0, k1)`` gives what
-    add_block receives as ``dk_acc, dv_acc`` for kv rows ``[k0, k1)`` (k0 a multiple of
-    ``layout.align``); ``layout.dense(buf, rows)`` gives fp32 ``(b, rows, h_kv, d)`` dk, dv at the end.
+    of ``layout.numel`` elements (fp32, or k's dtype on a 16-bit wire) that add elementwise;
+    ``layout.cols(buf, rows, k0, k1)`` gives what add_block receives as ``dk_acc, dv_acc`` for kv
+    rows ``[k0, k1)`` (k0 a multiple of ``layout.align``; the ring adds into fp32 scratches of the
+    layout); ``layout.dense(buf, rows)`` gives ``(b, rows, h_kv, d)`` dk, dv at the end. Every rank
+    must be offered the same layout (the buffers travel between ranks).
     """
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
