@@ -98,12 +98,6 @@ def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
     return kw
 
 
-def _arch() -> int:
-    from flash_attn.cute import interface
-
-    return interface._get_device_arch()
-
-
 class Fa4Backend:
     """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
 
@@ -179,6 +173,7 @@ class Fa4Backend:
         returns the block's lse (plane 1), or None, touching nothing, where it cannot run (varlen,
         not sm90, d != d_v, head dims FA4 lacks): the caller then runs forward and a merge."""
         from . import fa4_merge
+        from .fa4_bwd_accum import _arch
 
         if spec.varlen or q.dim() != 4 or q.device.type != "cuda" or q.dtype not in _DTYPES \
                 or v.shape[-1] != q.shape[-1] or not fa4_merge.can_implement(_arch()):
