@@ -75,6 +75,7 @@ def run(args, device):
             torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / args.reps
     use_cuda = device.type == "cuda"
+    host = _host_enqueue_ms(step) if use_cuda else None
     totals: dict[str, float] = {}
     top = []
     for e in prof.key_averages():
@@ -87,8 +88,31 @@ def run(args, device):
     top.sort(reverse=True)
     busy = sum(totals.values())
     return {"seq": S, "world": args.world, "packed": args.packed, "backward": args.backward, "wall_ms": wall * 1e3,
+            "host_enqueue_ms": host,
             "busy_ms": busy, "busy_share": busy / (wall * 1e3), "groups_ms": totals,
             "top": [{"ms": t, "name": n, "group": gname, "calls": c} for t, n, gname, c in top[:25]]}
+
+
+def _host_enqueue_ms(step, sleep_cycles: int = 2_000_000_000) -> dict:
+    """Host time to enqueue one step while the GPU is held busy by a sleep kernel ahead of it (so
+    the launch queue never drains): if it exceeds the step's GPU time, the host is the bottleneck.
+    ``synced`` is True when the enqueue waited for the sleep (a host sync inside the step)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(sleep_cycles)
+    end.record()
+    torch.cuda.synchronize()
+    sleep_ms = start.elapsed_time(end)
+    times = []
+    for _ in range(3):
+        torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    host = sorted(times)[1]
+    return {"ms": host, "sleep_ms": sleep_ms, "synced": host > 0.8 * sleep_ms}
 
 
 def main() -> None:
@@ -109,6 +133,10 @@ def main() -> None:
     print(json.dumps({k: v for k, v in r.items() if k != "top"}))
     print(f"\nring {'packed ' if a.packed else ''}S={a.seq} P={a.world} {'fwd+bwd' if a.backward else 'fwd'}, all "
           f"ranks: wall {r['wall_ms']:.2f} ms, device busy {r['busy_ms']:.2f} ms ({100 * r['busy_share']:.0f}%)")
+    if r["host_enqueue_ms"]:
+        h = r["host_enqueue_ms"]
+        print(f"host enqueue {h['ms']:.2f} ms (GPU held by a {h['sleep_ms']:.0f} ms sleep; "
+              f"{'waited on the GPU: a host sync inside' if h['synced'] else 'no host sync'})")
     print("| group | ms | share of busy |")
     print("|---|---|---|")
     for grp, t in sorted(r["groups_ms"].items(), key=lambda x: -x[1]):

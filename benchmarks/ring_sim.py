@@ -5,7 +5,12 @@ executor runs all P ranks back to back, so P x (one rank) is its total time. Als
 same run: the same ranks' block calls alone (no merge, no hops), so the overhead of everything
 that is not the block kernel is ``ring / calls - 1``.
 
-    python benchmarks/ring_sim.py [--quick] [--out bench_results/ring_sim.json]
+Two levels: ``api`` times ``ringfa4.attention`` on the full tensors (the simulated executor also
+shards the inputs and unshards the outputs and gradients, which a real rank never does per call);
+``executor`` times what each rank runs, the ring forward / backward on already-sharded inputs,
+against the block calls on the same shards.
+
+    python benchmarks/ring_sim.py [--quick] [--level both] [--out bench_results/ring_sim.json]
 """
 
 from __future__ import annotations
@@ -27,10 +32,39 @@ def _inputs(S, h, d, n_sets):
             for _ in range(n_sets)]
 
 
-def _calls_alone(cp, spec, be, backward):
-    """The same blocks as the simulated ring, without merges or hops (outputs to one scratch)."""
+def _shards(cp, cache: dict | None):
+    """Per-rank views of an input set: made in the timed call (api level), or once per set (executor)."""
+    def split(*ts):
+        if cache is None:
+            return [cp._split(t) for t in ts]
+        key = tuple(t.data_ptr() for t in ts)
+        if key not in cache:
+            cache[key] = [cp._split(t) for t in ts]
+        return cache[key]
+    return split
+
+
+def _executor_step(cp, spec, backward):
+    """What the simulated ranks run on their shards: the ring forward (and backward)."""
+    from ringfa4.parallel.executor import ring_backward, ring_forward
+
+    split = _shards(cp, {})
+
     def run(q, k, v, do):
-        qs, ks, vs, dos = (cp._split(t) for t in (q, k, v, do))
+        qs, ks, vs, dos = split(q, k, v, do)
+        ring = cp.run(q, spec)
+        outs, lses = ring_forward(ring, qs, ks, vs)
+        if backward:
+            ring_backward(ring, dos, qs, ks, vs, outs, lses)
+    return run
+
+
+def _calls_alone(cp, spec, be, backward, cache: dict | None = None):
+    """The same blocks as the simulated ring, without merges or hops (outputs to one scratch)."""
+    split = _shards(cp, cache)
+
+    def run(q, k, v, do):
+        qs, ks, vs, dos = split(q, k, v, do)
         ring = cp.run(q, spec)
         o_s = torch.empty_like(qs[0])
         l_s = torch.empty(qs[0].shape[0], qs[0].shape[2], qs[0].shape[1], device=q.device)
@@ -60,6 +94,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/ring_sim.json")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--level", choices=("both", "api", "executor"), default="both")
     args = ap.parse_args()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     seqs = [65536] if args.quick else [65536, 262144]
@@ -73,23 +108,32 @@ def main() -> None:
                 t_full = median_ms(full_call(be, spec, backward), sets, rep)
                 for P in (int(p) for p in args.worlds.split(",")):
                     cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
-                    t_ring = median_ms(cp_step(cp, backward, causal=causal), sets, rep)
-                    t_calls = median_ms(_calls_alone(cp, spec, be, backward), sets, rep)
-                    row = {"S": S, "P": P, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
-                           "full_ms": t_full, "ring_ms_per_rank": t_ring / P, "calls_ms_per_rank": t_calls / P,
-                           "efficiency": t_full / t_ring, "calls_efficiency": t_full / t_calls,
-                           "overhead": t_ring / t_calls - 1, "backend": be.name}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    _save(args, rows)  # after every row: a run cut short keeps what it measured
+                    for level in {"both": ("api", "executor"), "api": ("api",), "executor": ("executor",)}[args.level]:
+                        if level == "api":
+                            t_ring = median_ms(cp_step(cp, backward, causal=causal), sets, rep)
+                            t_calls = median_ms(_calls_alone(cp, spec, be, backward), sets, rep)
+                        else:
+                            t_ring = median_ms(_executor_step(cp, spec, backward), sets, rep)
+                            t_calls = median_ms(_calls_alone(cp, spec, be, backward, {}), sets, rep)
+                        row = {"S": S, "P": P, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
+                               "level": level, "full_ms": t_full, "ring_ms_per_rank": t_ring / P,
+                               "calls_ms_per_rank": t_calls / P, "efficiency": t_full / t_ring,
+                               "calls_efficiency": t_full / t_calls, "overhead": t_ring / t_calls - 1,
+                               "backend": be.name}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        _save(args, rows)  # after every row: a run cut short keeps what it measured
+                        torch.cuda.empty_cache()
         del sets
         torch.cuda.empty_cache()
     print(f"\nring, simulated on one {torch.cuda.get_device_name()} ({be.name} blocks, h={args.heads}, "
           f"d={args.head_dim}, bf16, zigzag)")
-    print("| S | P | causal | pass | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone | overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| S | P | causal | pass | level | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone "
+          "| overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['S'] // 1024}k | {r['P']} | {'yes' if r['causal'] else 'no'} | {r['pass']} | {r['full_ms']:.2f} | "
+        print(f"| {r['S'] // 1024}k | {r['P']} | {'yes' if r['causal'] else 'no'} | {r['pass']} | {r['level']} | "
+              f"{r['full_ms']:.2f} | "
               f"{r['ring_ms_per_rank']:.3f} | {r['calls_ms_per_rank']:.3f} | {r['efficiency']:.3f} | "
               f"{r['calls_efficiency']:.3f} | {100 * r['overhead']:+.1f}% |")
 

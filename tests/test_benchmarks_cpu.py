@@ -39,6 +39,11 @@ def test_ring_sim_calls_alone_runs():
     be = get_backend("reference")
     for backward in (False, True):
         ring_sim._calls_alone(cp, AttnSpec(causal=True), be, backward)(*_sets()[0])
+        cache, inputs = {}, _sets()[0]
+        for _ in range(2):  # executor level: shards made once per input set
+            ring_sim._calls_alone(cp, AttnSpec(causal=True), be, backward, cache)(*inputs)
+            ring_sim._executor_step(cp, AttnSpec(causal=True), backward)(*inputs)
+        assert len(cache) == 1
 
 
 def test_ulysses_a2a_volume():

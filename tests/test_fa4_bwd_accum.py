@@ -65,7 +65,32 @@ def _compile_cases(arch: str) -> list[dict]:
         assert len(adds) == wg_dq + 2 * cfg.num_wg * (2 if key.local else 1), (name, len(adds))
         assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), (name, "TMA store of dK/dV")
         results.append(dict(name=name, seconds=round(time.perf_counter() - t0, 2), key=repr(key)))
+    results.append(_compile_head_group())
     return results
+
+
+def _compile_head_group() -> dict:
+    """The ring's head groups: a state of q heads [2, 4) (views of the whole state's tensors) adding
+    into its kv head's TileKVLayout buffer, and FA4's dK / dV postprocess writing the sums into a head
+    slice of bf16 dk / dv (``TileKVLayout.write``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringfa4.kernels import fa4_bwd_accum as acc
+
+    t0 = time.perf_counter()
+    with FakeTensorMode():
+        q = torch.empty(1, 256, 4, 128, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(1, 4, 256, dtype=torch.float32, device="cuda")
+        kv = torch.empty(1, 320, 2, 128, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(1, 320, 2, 128, dtype=torch.bfloat16, device="cuda")
+        state = acc.prepare(q, q, q, lse, softmax_scale=128 ** -0.5).heads(2, 4)
+        k_g = kv.narrow(2, 1, 1)
+        layout = acc.TileKVLayout(state, k_g, 320)
+        buf = torch.empty(layout.numel, dtype=torch.float32, device="cuda")
+        key = acc.accumulate_tiles(state, k_g, k_g, *layout.cols(buf, 320, 0, 320), causal=True)
+        layout.write(buf, 320, out.narrow(2, 1, 1), out.narrow(2, 1, 1))
+    assert key.qhead_per_kvhead == 2 and acc._CACHE[key].__cubin__, key
+    return dict(name="head_group_write", seconds=round(time.perf_counter() - t0, 2), key=repr(key))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +113,7 @@ def test_bwd_accum_compiles_sm90(compile_run):
     proc, result, log = compile_run
     cute_compile.wait_ok(proc, log, "sm_90a", timeout=240)
     results = json.loads(result.read_text())
-    assert [r["name"] for r in results] == [c[0] for c in COMPILE_CASES]
+    assert [r["name"] for r in results] == [c[0] for c in COMPILE_CASES] + ["head_group_write"]
     print("\nsm_90a: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
 
 
@@ -269,6 +294,45 @@ def test_tile_layout_equals_dense(gpu, s_k, h_kv):
     for x, y in ((tk, dk), (tv, dv), (acc.finish(tile_state, torch.float32), acc.finish(dense_state, torch.float32))):
         assert x.abs().max() > 0
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,h_kv,s_k", [(4, 4, 512), (8, 2, 500)])
+def test_head_groups_in_place_and_write(gpu, h, h_kv, s_k):
+    """The ring's kv-head groups: states of q heads [0, h/2) and [h/2, h) (views sharing one dq
+    accumulator) each add dK / dV into their own TileKVLayout buffer in place, and FA4's postprocess
+    writes the sums into head slices of bf16 dk / dv (every element, also past the last full kv
+    tile): equal to the whole-head state's dense gather rounded once, dq equal too."""
+    from ringfa4.kernels import fa4_bwd_accum as acc
+
+    fwd, _ = gpu
+    b, s_q, d = 1, 384, 128
+    g = torch.Generator().manual_seed(4)
+    mk = lambda *sh: torch.randn(*sh, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    q, dout, k, v = mk(b, s_q, h, d), mk(b, s_q, h, d), mk(b, s_k, h_kv, d), mk(b, s_k, h_kv, d)
+    out, lse = fwd(q, k, v, softmax_scale=d ** -0.5, causal=True, return_lse=True)[:2]
+    whole, grouped = (acc.prepare(q, out, dout, lse, softmax_scale=d ** -0.5) for _ in range(2))
+    lay = acc.TileKVLayout(whole, k, s_k)
+    buf = torch.zeros(lay.numel, device="cuda")
+    acc.accumulate_tiles(whole, k, v, *lay.cols(buf, s_k, 0, s_k), causal=True)
+    dk_ref, dv_ref = lay.dense(buf, s_k)
+    dk, dv = (torch.full((b, s_k, h_kv, d), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "kv")
+    half, q_per = h_kv // 2, h // h_kv
+    for a, z in ((0, half), (half, h_kv)):
+        st = grouped.heads(a * q_per, z * q_per)
+        k_g, v_g = k.narrow(2, a, z - a), v.narrow(2, a, z - a)
+        glay = acc.TileKVLayout(st, k_g, s_k)
+        gbuf = torch.zeros(glay.numel, device="cuda")
+        acc.accumulate_tiles(st, k_g, v_g, *glay.cols(gbuf, s_k, 0, s_k), causal=True)
+        glay.write(gbuf, s_k, dk.narrow(2, a, z - a), dv.narrow(2, a, z - a))
+    assert not dk.isnan().any() and not dv.isnan().any()
+    for got, ref in ((dk, dk_ref), (dv, dv_ref)):
+        assert ref.abs().max() > 0
+        # one rounding of (nearly) the same fp32 sum: within a bf16 ulp (atomics' order may differ)
+        torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=1e-5)
+        assert (got == ref.to(torch.bfloat16)).float().mean() > 0.95
+    torch.testing.assert_close(acc.finish(grouped, torch.float32), acc.finish(whole, torch.float32),
+                               rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":  # subprocess entry: python test_fa4_bwd_accum.py ARCH RESULT_JSON

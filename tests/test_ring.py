@@ -348,17 +348,21 @@ def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
         grads()
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("align,window,native", [(16, None, True), (4, (20, 0), True), (8, (20, 0), False)])
-def test_fp32_grads_in_a_backend_layout(align, window, native, monkeypatch):
+def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypatch):
     """An AccumBackward's ``kv_layout``: dK/dV accumulate and travel in the backend's own layout
     (FA4: its tile layout) and give the same gradients as the dense layout, bit for bit; a
-    schedule with a block starting off the layout's alignment falls back to the dense layout."""
+    schedule with a block starting off the layout's alignment falls back to the dense layout. With
+    ``RINGFA4_DKV_GROUPS=2`` the blocks add in place into two travelling kv-head groups, each in a
+    layout of its own (one per group, gathered once per rank at the end)."""
     from ringfa4.kernels.reference import _ReferenceAccum
 
     P, S = 4, 2 * 4 * 16  # zigzag chunks of 16 rows; the window's blocks start at kv rows 0, 12, 16, 28
     q, k, v, do = random_qkv(1, S, S, 4, 2, 16, dtype=torch.bfloat16, seed=7)
     cp = ringfa4.ContextParallel.simulated(P, backend="reference")
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+    monkeypatch.setenv("RINGFA4_DKV_GROUPS", str(groups))
 
     def grads():
         x = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -370,7 +374,9 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, monkeypatch):
     monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
         HeadMajorGrads(k, cap, align)) or made[-1], raising=False)
     got = grads()
-    assert made and all(lay.dense_calls == (P if native else 0) for lay in made), [m.dense_calls for m in made]
+    used = [lay for lay in made if lay.dense_calls]
+    assert len(used) == (groups if native else 0), [m.dense_calls for m in made]
+    assert all(lay.dense_calls == P and lay.shape[1] == 2 // groups for lay in used)
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
 
 

@@ -84,18 +84,19 @@ def test_hybrid_bf16_matches_float64(P, U, h_kv):
 def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
     """RINGFA4_FP32_GRADS=1 on the fa4 backend (sm90: kernels/fa4_bwd_accum.py): P = 16 causal ring
     gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
-    accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout where every block
-    starts on a kv tile (causal zigzag blocks start at kv row 0, also with chunks of 100 rows),
-    else dense (this window's blocks start at kv rows 68 and 324). With dK/dV travelling in bf16
-    (``RINGFA4_DKV_WIRE=input``, one rounding a hop) dk / dv are only held to the bf16-gradient ring."""
+    accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout (two kv-head groups,
+    reduce-added in place) where every block starts on a kv tile (causal zigzag blocks start at kv
+    row 0, also with chunks of 100 rows), else dense (this window's blocks start at kv rows 68 and
+    324). With dK/dV travelling in bf16 (``RINGFA4_DKV_WIRE=input``, one rounding a hop) dk / dv
+    are only held to the bf16-gradient ring."""
     from ringfa4.kernels import fa4_bwd_accum as acc
 
     P = 16
     kw = dict(causal=True) if window is None else dict(causal=True, window=window)
     gathered = []
-    dense = acc.TileKVLayout.dense
-    monkeypatch.setattr(acc.TileKVLayout, "dense", lambda self, buf, rows: gathered.append(rows) or dense(
-        self, buf, rows))
+    write = acc.TileKVLayout.write
+    monkeypatch.setattr(acc.TileKVLayout, "write", lambda self, buf, rows, dk, dv: gathered.append(rows) or write(
+        self, buf, rows, dk, dv))
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
     ref = reference_grads(q, k, v, do, **kw)
     be = get_backend("fa4")
@@ -108,7 +109,8 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
     bf16 = _run(cp, q, k, v, do, **kw)[2:]
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
     fp32 = _run(cp, q, k, v, do, **kw)[2:]
-    assert gathered == ([S // P] * P if window is None else []), gathered
+    groups = 2 if wire == "fp32" else 1  # in place, in two kv-head groups (RINGFA4_DKV_GROUPS=2)
+    assert gathered == ([S // P] * P * groups if window is None else []), gathered
     for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
         if wire == "fp32" or name == "dq":

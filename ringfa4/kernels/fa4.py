@@ -232,7 +232,14 @@ class _Fa4Accum:
 
         return acc.TileKVLayout(self.state, k, cap)
 
-    def dq(self) -> torch.Tensor:
+    def heads(self, h0: int, h1: int) -> _Fa4Accum:
+        """The state of q heads ``[h0, h1)``: blocks on those heads (and their kv heads) add dQ into
+        this state's accumulator and dK / dV into their own buffers (the ring's head groups)."""
+        return _Fa4Accum(self.state.heads(h0, h1))
+
+    def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The accumulated dq: float32 by default, or straight to ``dtype`` (q's: FA4's dQ
+        postprocess, one pass)."""
         from . import fa4_bwd_accum as acc
 
-        return acc.finish(self.state, torch.float32)
+        return acc.finish(self.state, torch.float32 if dtype is None else dtype)

@@ -143,6 +143,18 @@ class BwdAccumState:
     def head_dim_rounded(self) -> int:
         return _rup(self.q.shape[-1], _hdim_rounding(self.cfg))
 
+    def heads(self, h0: int, h1: int) -> BwdAccumState:
+        """The state of q heads ``[h0, h1)`` alone: views of this one's tensors (dQ still adds into
+        the shared ``dq_accum``), for blocks run on a slice of the heads (k / v of the matching kv
+        heads)."""
+        h = self.q.shape[2]
+        if not 0 <= h0 < h1 <= h:
+            raise ValueError(f"need 0 <= h0 < h1 <= {h}, got h0={h0}, h1={h1}")
+        n = h1 - h0
+        return BwdAccumState(self.arch, self.q.narrow(2, h0, n), self.dout.narrow(2, h0, n), self.softmax_scale,
+                             self.softcap, self.dq_accum.narrow(1, h0, n), self.dpsum.narrow(1, h0, n),
+                             self.lse_log2.narrow(1, h0, n))
+
 
 def _arch() -> int:
     from flash_attn.cute import interface
@@ -351,7 +363,7 @@ class TileKVLayout:
 
     def _halves(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.numel // 2
-        return tuple(buf[i * half:(i + 1) * half].view(self.b, self.h_kv, self.length) for i in range(2))
+        return tuple(buf.narrow(0, i * half, half).view(self.b, self.h_kv, self.length) for i in range(2))
 
     def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`."""
@@ -360,11 +372,39 @@ class TileKVLayout:
         start = k0 * self.row_numel
         return tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
 
+    def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """The finished sums into ``dk, dv (b, rows, h_kv, d)`` (16-bit, strided views allowed): FA4's
+        own dK / dV postprocess (one pass each: read fp32 tiles, scale, round, write) for an fp32
+        buffer, else :meth:`dense` and a copy."""
+        if buf.dtype == torch.float32 and dk.dtype in _DTYPES and dv.dtype == dk.dtype:
+            acc_k, acc_v = self._halves(buf)
+            _kv_postprocess(acc_k, dk, self.state, self.state.softmax_scale)
+            _kv_postprocess(acc_v, dv, self.state, 1.0)
+            return
+        dk_f, dv_f = self.dense(buf, rows)
+        dk.copy_(dk_f)
+        dv.copy_(dv_f)
+
     def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``dk, dv (b, rows, h_kv, d)`` (dK scaled by the softmax scale, float32; dV in the buffer's dtype)."""
         dk, dv = self._halves(buf)  # dK unscaled (fp32 before scaling, also on a 16-bit wire: one rounding)
         return (_dense(dk, self.state, "dkv", rows).float() * self.state.softmax_scale,
                 _dense(dv, self.state, "dkv", rows))
+
+
+def _kv_postprocess(accum: torch.Tensor, out: torch.Tensor, state: BwdAccumState, scale: float) -> None:
+    """``out (b, rows, h_kv, d)`` 16-bit <- ``scale *`` the FA4-layout fp32 accumulator ``(b, h_kv,
+    >= rup(rows, tile_n) * d_r)``, through FA4's GQA dK / dV postprocess (as ``_flash_attn_bwd`` runs it)."""
+    from flash_attn.cute import interface
+    from flash_attn.cute.testing import is_fake_mode
+
+    if out.numel() == 0:
+        return
+    cfg = state.cfg
+    interface._bwd_postprocess_convert(
+        accum, out, scale, None, None, state.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1],
+        cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, use_2cta_instrs=False,
+        cluster_size=1, fake_mode=is_fake_mode(), hdim_multiple_of=_hdim_rounding(cfg))
 
 
 @functools.cache

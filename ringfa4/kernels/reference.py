@@ -190,5 +190,13 @@ class _ReferenceAccum:
         dk_acc += dk
         dv_acc += dv
 
-    def dq(self) -> torch.Tensor:
-        return self.acc
+    def heads(self, h0: int, h1: int) -> _ReferenceAccum:
+        """The state of q heads ``[h0, h1)`` (views: dq adds into this state's accumulator)."""
+        view = object.__new__(_ReferenceAccum)
+        view.backend, view.dout, view.q, view.out, view.lse, view.acc = self.backend, *(
+            t.narrow(2, h0, h1 - h0) for t in (self.dout, self.q, self.out)), self.lse.narrow(1, h0, h1 - h0), \
+            self.acc.narrow(2, h0, h1 - h0)
+        return view
+
+    def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.acc if dtype is None else self.acc.to(dtype)

@@ -167,18 +167,25 @@ class AccumBackward(Protocol):
         (causal / window on the sub-block): dq adds into the state, dk / dv into the fp32 (fp64
         for fp64 inputs) accumulators ``dk_acc, dv_acc`` like k (views allowed); no block gradient
         is rounded to the inputs' dtype.
-    dq() -> the accumulated dq, fp32 (fp64 for fp64 inputs), ``(b, s_q, h, d)``.
+    dq(dtype=None) -> the accumulated dq ``(b, s_q, h, d)``, fp32 (fp64 for fp64 inputs), or cast to
+        ``dtype``.
+
+    Optional: heads(h0, h1) -> the state of q heads ``[h0, h1)`` only (h0, h1 multiples of h / h_kv),
+    sharing this state's dq: add_block then takes q rows of those heads against k, v of their kv
+    heads. The ring runs its backward in head groups with it, each group's dK / dV reduce-added by
+    the kernel straight into its travelling buffer (see ``parallel/executor.py``).
 
     Optional: kv_layout(k, cap) -> a layout of the state's own for dK / dV of ``cap`` kv rows like
     ``k``, or None (dense). The ring then keeps its travelling dK / dV in that layout: flat buffers
     of ``layout.numel`` elements (fp32, or k's dtype on a 16-bit wire) that add elementwise;
     ``layout.cols(buf, rows, k0, k1)`` gives what add_block receives as ``dk_acc, dv_acc`` for kv
-    rows ``[k0, k1)`` (k0 a multiple of ``layout.align``; the ring adds into fp32 scratches of the
-    layout); ``layout.dense(buf, rows)`` gives ``(b, rows, h_kv, d)`` dk, dv at the end. Every rank
-    must be offered the same layout (the buffers travel between ranks).
+    rows ``[k0, k1)`` (k0 a multiple of ``layout.align``); ``layout.dense(buf, rows)`` gives ``(b, rows,
+    h_kv, d)`` dk, dv at the end, or, where the layout offers it, ``layout.write(buf, rows, dk, dv)``
+    puts them straight into dk, dv of the inputs' dtype. Every rank must be offered the same layout
+    (the buffers travel between ranks).
     """
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                   dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None: ...
 
-    def dq(self) -> torch.Tensor: ...
+    def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor: ...

@@ -28,6 +28,7 @@ from .allgather import AllGatherSchedule, allgather_backward, allgather_forward,
 from .checks import check_local, exchange_and_check, peer_failure, post_error
 from .executor import (
     RingRun,
+    dkv_groups,
     dkv_wire_fp32,
     epilogue_merge,
     fp32_grads,
@@ -256,7 +257,7 @@ class ContextParallel:
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport, ring_slots(), fp32_partials(q.device),
-                       dkv_wire_fp32(), fp32_grads(), epilogue_merge())
+                       dkv_wire_fp32(), fp32_grads(), epilogue_merge(), dkv_groups())
 
     # per-rank views for the simulated executor
     def _split(self, x: torch.Tensor, packing: Packing | None = None, dim: int | None = None) -> list[torch.Tensor]:

@@ -22,8 +22,8 @@ from ..kernels.cute_combine import combine_lse_
 from .ring import RingSchedule
 from .transport import Transport
 
-__all__ = ["ExactLse", "RingRun", "dkv_wire_fp32", "epilogue_merge", "fp32_grads", "fp32_partials", "ring_backward",
-           "ring_forward", "ring_slots"]
+__all__ = ["ExactLse", "RingRun", "dkv_groups", "dkv_wire_fp32", "epilogue_merge", "fp32_grads", "fp32_partials",
+           "ring_backward", "ring_forward", "ring_slots"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class RingRun:
     dkv_wire_fp32: bool = True  # dK/dV accumulate and travel in fp32 (False: in k's dtype, half the bytes)
     fp32_grads: bool = False  # block gradients never rounded to the inputs' dtype (backend.begin_backward)
     epilogue_merge: bool = False  # blocks merge inside the attention kernel (backend.forward_merge)
+    dkv_groups: int = 2  # kv-head groups dK/dV travel in, added into in place where the backend can
 
     @property
     def active_steps(self) -> int:
@@ -82,11 +83,13 @@ def fp32_grads() -> bool:
 
 
 def epilogue_merge() -> bool:
-    """``RINGFA4_EPILOGUE_MERGE=1``: fp32 ring forwards merge each block inside the attention kernel's
-    epilogue where the backend offers ``forward_merge`` (FA4 on sm90: kernels/fa4_merge.py), so no
-    block output is written and read back. ``0`` (default until the kernel has run on the H200):
-    block outputs go to a scratch and a merge kernel folds them in."""
-    raw = os.environ.get("RINGFA4_EPILOGUE_MERGE", "0")
+    """``RINGFA4_EPILOGUE_MERGE``: ``1`` (default) makes fp32 ring forwards merge each block inside
+    the attention kernel's epilogue where the backend offers ``forward_merge`` (FA4 on sm90:
+    kernels/fa4_merge.py), so no block output is written and read back; elsewhere the blocks go
+    to a scratch that a merge kernel folds in, as with ``0``. On the H200 (64k, P = 8, causal
+    zigzag) the forward's overhead over FA4's calls alone went from +17.6% to +13.6%, with the same
+    error at P = 8 and 32."""
+    raw = os.environ.get("RINGFA4_EPILOGUE_MERGE", "1")
     if raw not in ("0", "1"):
         raise ValueError(f"RINGFA4_EPILOGUE_MERGE must be 0 or 1, got {raw!r}")
     return raw == "1"
@@ -140,9 +143,11 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
 
 class _KVBuffers:
     """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
-    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens."""
+    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens, ``pieces(buf)`` the (k, v) of
+    all ``cap`` rows (what travels)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
+        self.cap = cap_rows
         self.k_shape, self.v_shape = _with_rows(k, cap_rows), _with_rows(v, cap_rows)
         self.k_cap = math.prod(self.k_shape)
         self.numel = self.k_cap + math.prod(self.v_shape)
@@ -155,7 +160,10 @@ class _KVBuffers:
     def zeros(self, device) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=self.dtype, device=device)
 
-    def view(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(buf, tuple):  # (k, v) pieces: the first ``rows`` (the flat view's memory: packed
+            k, v = buf              # tensors are row-major; dense ranks hold ``cap`` rows)
+            return k.narrow(_row_dim(k), 0, rows), v.narrow(_row_dim(v), 0, rows)
         k, v = self.template
         ks, vs = _with_rows(k, rows), _with_rows(v, rows)
         return buf[: math.prod(ks)].view(ks), buf[self.k_cap: self.k_cap + math.prod(vs)].view(vs)
@@ -166,6 +174,9 @@ class _KVBuffers:
         kb.copy_(k)
         vb.copy_(v)
         return buf
+
+    def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view(buf, self.cap)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -190,8 +201,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     acc = _acc_dtype(q0)
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
     bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
-    cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
-    nxt = [bufs.empty(q0.device) for _ in cur]
+    kv = _KVRing(run, bufs, ks, vs)
     outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
     lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
@@ -201,15 +211,15 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
         qs, outs, lses, dv, lse_dtype, run.slots, part)
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
-        handle = run.transport.shift(cur, nxt, 1) if t + 1 < steps else None
+        handle = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
-            k_t, v_t = bufs.view(cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
+            k_t, v_t = bufs.view(kv.cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
             rows = _rows(run, r, qs[i])
             for blk in run.schedule.blocks(r, t):
                 merge.block(run, i, blk, qs[i], k_t, v_t, rows)
         if handle is not None:
             run.transport.wait(handle)
-            cur, nxt = nxt, cur
+            kv.swap()
     merge.finish()
     return [o.to(q.dtype) for o, q in zip(outs, qs)], lses
 
@@ -339,66 +349,176 @@ class _SlotCombine(_Merge):
 def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor], ks: list[torch.Tensor],
                   vs: list[torch.Tensor], outs: list[torch.Tensor], lses: list[torch.Tensor]
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Per local rank: dq, dk, dv in the inputs' dtypes (accumulated in fp32)."""
-    acc = _acc_dtype(qs[0])
+    """Per local rank: dq, dk, dv in the inputs' dtypes (accumulated in fp32).
+
+    dK/dV travel in ``sink.groups`` pieces (head groups). Where the kernels can add into the
+    travelling buffer itself (``sink.in_place``), each group waits for its piece's hop from the
+    step before, runs its blocks into it and sends it on, so one group's hop hides behind the
+    other group's blocks; otherwise a step's blocks go to a scratch (or come back per block) and
+    are added after the hop arrived."""
     steps, world = run.active_steps, run.schedule.world_size
     bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
-    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc if run.dkv_wire_fp32 else ks[0].dtype)
-    kv_cur = [bufs.filled(k, v) for k, v in zip(ks, vs)]
-    kv_nxt = [bufs.empty(k.device) for k in ks]
-    states = _accum_states(run, douts, qs, outs, lses, acc)
-    grads = _grad_layout(run, states, ks[0], gbufs)  # where dK/dV accumulate and travel
-    dkv_cur = [torch.zeros(grads.numel, dtype=gbufs.dtype, device=k.device) for k in ks]
-    dkv_nxt = [torch.empty(grads.numel, dtype=gbufs.dtype, device=k.device) for k in ks]
-    dqs = [None if st is not None else torch.zeros(q.shape, dtype=acc, device=q.device) for st, q in zip(states, qs)]
-    scratch = [None if st is None else torch.empty(grads.numel, dtype=acc, device=k.device)
-               for st, k in zip(states, ks)]
-    dkv_handle = None
+    kv = _KVRing(run, bufs, ks, vs)
+    sink = _grad_sink(run, douts, qs, ks, vs, outs, lses)
+    dkv_cur = [[sink.zeros(g, k.device) for k in ks] for g in range(sink.groups)]
+    dkv_nxt = [[sink.empty(g, k.device) for k in ks] for g in range(sink.groups)]
+    hops: list = [None] * sink.groups
     for t in range(steps):
-        kv_handle = run.transport.shift(kv_cur, kv_nxt, 1) if t + 1 < steps else None
-        step_grads, held = [], []
-        for i, r in enumerate(run.ranks):
-            src_rows = _rows(run, run.schedule.source(r, t, world), ks[i])
-            k_t, v_t = bufs.view(kv_cur[i], src_rows)
-            blocks = run.schedule.blocks(r, t)
-            if states[i] is not None:  # fp32 block gradients: this step's dK/dV into a zeroed scratch
-                step_grads.append(scratch[i].zero_() if blocks else None)
-                for blk in blocks:
-                    blk.accumulate(states[i], k_t, v_t, run.spec, *grads.cols(scratch[i], src_rows, blk.k0, blk.k1))
-            else:
-                mine = []
-                for blk in blocks:
-                    dq, dk, dv = blk.backward(run.backend, douts[i], qs[i], k_t, v_t, outs[i], lses[i], run.spec)
-                    blk.add_dq(dqs[i], dq)
-                    mine.append((blk, dk, dv))
-                step_grads.append(mine)
-            held.append(src_rows)
-        if dkv_handle is not None:  # dK/dV of the K/V we hold, accumulated by the ranks before us
-            run.transport.wait(dkv_handle)
-            dkv_cur, dkv_nxt = dkv_nxt, dkv_cur
-        for i, mine in enumerate(step_grads):
-            if isinstance(mine, torch.Tensor):
-                dkv_cur[i] += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
-                continue
-            dk_acc, dv_acc = gbufs.view(dkv_cur[i], held[i])
-            for blk, dk, dv in mine or ():
-                blk.add_dkv(dk_acc, dv_acc, dk, dv)
-        # pass the dK/dV on with the K/V; after the last step, straight to the owner
-        offset = 1 if t + 1 < steps else (world - steps + 1) % world
-        dkv_handle = run.transport.shift(dkv_cur, dkv_nxt, offset) if offset else None
-        if kv_handle is not None:
-            run.transport.wait(kv_handle)
-            kv_cur, kv_nxt = kv_nxt, kv_cur
-    if dkv_handle is not None:
-        run.transport.wait(dkv_handle)
-        dkv_cur = dkv_nxt
-    dks, dvs = [], []
-    for i, r in enumerate(run.ranks):
-        dk, dv = grads.dense(dkv_cur[i], _rows(run, r, ks[i]))
-        dks.append(dk.to(ks[i].dtype))
-        dvs.append(dv.to(vs[i].dtype))
-    dqs = [st.dq() if st is not None else dq for st, dq in zip(states, dqs)]
-    return [dq.to(q.dtype) for dq, q in zip(dqs, qs)], dks, dvs
+        kv_hop = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
+        held = [_rows(run, run.schedule.source(r, t, world), ks[i]) for i, r in enumerate(run.ranks)]
+        kvs = [bufs.view(kv.cur[i], n) for i, n in enumerate(held)]
+        offset = 1 if t + 1 < steps else (world - steps + 1) % world  # after the last step: to the owner
+        for g in range(sink.groups):
+            if sink.in_place and hops[g] is not None:  # dK/dV of the K/V we hold, from the ranks before us
+                run.transport.wait(hops[g])
+                dkv_cur[g], dkv_nxt[g] = dkv_nxt[g], dkv_cur[g]
+            made = [sink.compute(g, i, run.schedule.blocks(r, t), *kvs[i], held[i],
+                             dkv_cur[g][i] if sink.in_place else None) for i, r in enumerate(run.ranks)]
+            if not sink.in_place and hops[g] is not None:
+                run.transport.wait(hops[g])
+                dkv_cur[g], dkv_nxt[g] = dkv_nxt[g], dkv_cur[g]
+            for i, mine in enumerate(made):
+                sink.fold(i, mine, dkv_cur[g][i], held[i])
+            hops[g] = run.transport.shift(dkv_cur[g], dkv_nxt[g], offset) if offset else None
+        if kv_hop is not None:
+            run.transport.wait(kv_hop)
+            kv.swap()
+    for g, hop in enumerate(hops):
+        if hop is not None:
+            run.transport.wait(hop)
+            dkv_cur[g] = dkv_nxt[g]
+    return sink.finish(dkv_cur, [_rows(run, r, k) for r, k in zip(run.ranks, ks)])
+
+
+class _KVRing:
+    """The K/V a rank holds while they travel, as ``(k, v)`` pieces of ``cap`` rows: ``cur`` (this
+    step's), ``nxt`` (the next hop's receive buffer); ``swap`` after the hop. Where every rank holds
+    ``cap`` rows and the inputs are contiguous, step 0 reads (and the first hop sends) the inputs
+    themselves, with no copy into a buffer; a spare buffer takes their place after the first hop,
+    so the inputs are never received into."""
+
+    def __init__(self, run: RingRun, bufs: _KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        direct = all(k.shape[_row_dim(k)] == bufs.cap and k.is_contiguous() and v.is_contiguous()
+                     for k, v in zip(ks, vs))
+        self.cur = [(k, v) if direct else bufs.pieces(bufs.filled(k, v)) for k, v in zip(ks, vs)]
+        self.nxt = [bufs.pieces(bufs.empty(k.device)) for k in ks]
+        self.spare = [bufs.pieces(bufs.empty(k.device)) for k in ks] if direct else None
+
+    def swap(self) -> None:
+        old = self.cur if self.spare is None else self.spare
+        self.cur, self.nxt, self.spare = self.nxt, old, None
+
+
+class _BlockGradSink:
+    """dK/dV without an AccumBackward: each block's gradients come back in the inputs' dtype; dq
+    adds into fp32, dK/dV into the travelling buffer (fp32, or k's dtype on a 16-bit wire) once
+    the hop has arrived. One group, not in place."""
+
+    groups, in_place = 1, False
+
+    def __init__(self, run: RingRun, douts, qs, ks, vs, outs, lses) -> None:
+        acc = _acc_dtype(qs[0])
+        self.run, self.douts, self.qs, self.outs, self.lses, self.ks, self.vs = run, douts, qs, outs, lses, ks, vs
+        self.bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc if run.dkv_wire_fp32 else ks[0].dtype)
+        self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+
+    def zeros(self, g: int, device) -> torch.Tensor:
+        return self.bufs.zeros(device)
+
+    def empty(self, g: int, device) -> torch.Tensor:
+        return self.bufs.empty(device)
+
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+        mine = []
+        for blk in blocks:
+            dq, dk, dv = blk.backward(self.run.backend, self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i],
+                                      self.run.spec)
+            blk.add_dq(self.dqs[i], dq)
+            mine.append((blk, dk, dv))
+        return mine
+
+    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
+        dk_acc, dv_acc = self.bufs.view(buf, rows)
+        for blk, dk, dv in mine:
+            blk.add_dkv(dk_acc, dv_acc, dk, dv)
+
+    def finish(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+        dks, dvs = [], []
+        for i, (buf, n) in enumerate(zip(bufs[0], rows)):
+            dk, dv = self.bufs.view(buf, n)
+            dks.append(dk.to(self.ks[i].dtype))
+            dvs.append(dv.to(self.vs[i].dtype))
+        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)], dks, dvs
+
+
+class _AccumGradSink:
+    """dK/dV through the backend's AccumBackward states (block gradients never rounded), in the
+    ``layouts`` of ``len(heads)`` kv-head groups (``heads``: their ``(start, stop)``; ``states[g]``
+    the per-rank states of group g's q heads). In place: blocks add straight into the travelling
+    buffer; else into a zeroed fp32 scratch that is added to the buffer after the hop."""
+
+    def __init__(self, run: RingRun, full: list, states: list[list], layouts: list, heads: list[tuple[int, int]],
+                 in_place: bool, qs, ks, vs, dtype: torch.dtype) -> None:
+        self.run, self.full, self.states, self.layouts, self.heads = run, full, states, layouts, heads
+        self.in_place, self.groups, self.dtype = in_place, len(layouts), dtype
+        self.qs, self.ks, self.vs = qs, ks, vs
+        acc = _acc_dtype(qs[0])
+        self.scratch = None if in_place else [torch.empty(layouts[0].numel, dtype=acc, device=k.device) for k in ks]
+
+    def zeros(self, g: int, device) -> torch.Tensor:
+        return torch.zeros(self.layouts[g].numel, dtype=self.dtype, device=device)
+
+    def empty(self, g: int, device) -> torch.Tensor:
+        return torch.empty(self.layouts[g].numel, dtype=self.dtype, device=device)
+
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+        if not blocks:
+            return None
+        target = dst if self.in_place else self.scratch[i].zero_()
+        a, b = self.heads[g]
+        k_g, v_g = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
+        for blk in blocks:
+            blk.accumulate(self.states[g][i], k_g, v_g, self.run.spec, *self.layouts[g].cols(target, rows, blk.k0,
+                                                                                               blk.k1))
+        return None if self.in_place else target
+
+    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
+        if mine is not None:
+            buf += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
+
+    def finish(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+        dks, dvs = [], []
+        for i, n in enumerate(rows):
+            dk, dv = torch.empty_like(self.ks[i]), torch.empty_like(self.vs[i])
+            for g, (a, b) in enumerate(self.heads):
+                _write_dkv(self.layouts[g], bufs[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
+            dks.append(dk)
+            dvs.append(dv)
+        return [st.dq(q.dtype) for st, q in zip(self.full, self.qs)], dks, dvs
+
+
+def _write_dkv(layout, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """A layout's finished dK/dV into ``dk, dv`` (the inputs' dtype): its ``write`` where offered."""
+    write = getattr(layout, "write", None)
+    if write is not None:
+        write(buf, rows, dk, dv)
+        return
+    dk_f, dv_f = layout.dense(buf, rows)
+    dk.copy_(dk_f)
+    dv.copy_(dv_f)
+
+
+def dkv_groups() -> int:
+    """``RINGFA4_DKV_GROUPS``: the kv-head groups the ring backward's dK/dV travel in when the
+    backend's AccumBackward adds into its own layout (FA4 on sm90). With n >= 2 (default 2) each
+    group's kernels reduce-add straight into the travelling buffer once that group's hop has
+    arrived, so a step adds no scratch, zeroing or add pass and a group's hop hides behind the
+    other groups' blocks; ``1``: one buffer, each step's blocks into a zeroed scratch added after the
+    hop. A count that does not divide the kv heads runs as 1."""
+    raw = os.environ.get("RINGFA4_DKV_GROUPS", "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"RINGFA4_DKV_GROUPS must be an int >= 1, got {raw!r}")
+    return int(raw)
 
 
 class _DenseGrads:
@@ -418,6 +538,28 @@ class _DenseGrads:
         return self.bufs.view(buf, rows)
 
 
+def _grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses):
+    """How this backward's block gradients reach the travelling dK/dV (the same choice on every
+    rank: it depends on shapes, dtypes, switches and the whole schedule only)."""
+    states = _accum_states(run, douts, qs, outs, lses)
+    if any(st is None for st in states):
+        return _BlockGradSink(run, douts, qs, ks, vs, outs, lses)
+    wire = _acc_dtype(qs[0]) if run.dkv_wire_fp32 else ks[0].dtype
+    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=wire)
+    layout = _grad_layout(run, states, ks[0], gbufs)
+    h, h_kv = qs[0].shape[2], ks[0].shape[2]
+    n = run.dkv_groups
+    if not isinstance(layout, _DenseGrads) and run.dkv_wire_fp32 and 1 < n and h_kv % n == 0 \
+            and all(hasattr(st, "heads") for st in states):
+        per, q_per = h_kv // n, h // h_kv
+        heads = [(g * per, (g + 1) * per) for g in range(n)]
+        groups = [[st.heads(a * q_per, b * q_per) for st in states] for a, b in heads]
+        layouts = [grp[0].kv_layout(ks[0].narrow(2, a, b - a), _cap(run, ks[0])) for grp, (a, b) in zip(groups, heads)]
+        if all(lay is not None and lay.align == layout.align for lay in layouts):
+            return _AccumGradSink(run, states, groups, layouts, heads, True, qs, ks, vs, wire)
+    return _AccumGradSink(run, states, [states], [layout], [(0, h_kv)], False, qs, ks, vs, wire)
+
+
 def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers):
     """The backend's own dK/dV layout when every local state offers one and every block of the
     schedule, on every rank (the buffers travel: all ranks must choose alike), starts at a kv row it
@@ -435,9 +577,9 @@ def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers)
     return layout if aligned else dense
 
 
-def _accum_states(run: RingRun, douts, qs, outs, lses, acc: torch.dtype) -> list:
+def _accum_states(run: RingRun, douts, qs, outs, lses) -> list:
     """Per local rank, the backend's AccumBackward state when ``run.fp32_grads`` asks for one and
-    the backend offers it for these inputs (dense), else None."""
+    the backend offers it for these inputs (dense), else None (for every rank)."""
     begin = getattr(run.backend, "begin_backward", None)
     if not run.fp32_grads or begin is None or qs[0].dim() != 4:
         return [None] * len(qs)

@@ -1,7 +1,9 @@
 """How K/V and dK/dV buffers move between ring neighbours.
 
 ``shift(send, recv, offset)`` posts, for every rank ``r`` this process runs, a transfer of
-``send[i]`` to rank ``r + offset`` and of rank ``r - offset``'s buffer into ``recv[i]``; ``wait``
+``send[i]`` to rank ``r + offset`` and of rank ``r - offset``'s buffer into ``recv[i]`` (each a
+tensor, or a tuple of tensors sent as pieces: piece j of a send lands in piece j of the receive,
+same sizes on every rank); ``wait``
 makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
 communication stream that first waits for the compute stream, so producers are done and earlier
 readers of ``recv`` have finished.
@@ -22,6 +24,14 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LoopbackTransport", "P2PTransport", "Transport"]
+
+
+def _pieces(x) -> tuple[torch.Tensor, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _first(bufs: list) -> torch.Tensor:
+    return _pieces(bufs[0])[0]
 
 
 class _Handle:
@@ -68,20 +78,24 @@ class LoopbackTransport(Transport):
 
     def shift(self, send, recv, offset):
         n = len(send)
-        stream = self.comm_stream(send[0].device)
+        device = _first(send).device
+        stream = self.comm_stream(device)
         if self.poison:
             for r in recv:
-                r.fill_(math.nan)
+                for piece in _pieces(r):
+                    piece.fill_(math.nan)
+        pairs = [(dst, src) for i in range(n) for dst, src in zip(_pieces(recv[(i + offset) % n]), _pieces(send[i]),
+                                                                  strict=True)]
         if stream is None:
-            for i in range(n):
-                recv[(i + offset) % n].copy_(send[i])
+            for dst, src in pairs:
+                dst.copy_(src)
             return _Handle()
-        stream.wait_stream(torch.cuda.current_stream(send[0].device))
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            for i in range(n):
-                recv[(i + offset) % n].copy_(send[i], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return _Handle(event=event)
@@ -120,12 +134,15 @@ class P2PTransport(Transport):
         (s,), (r,) = send, recv
         to = (self.rank + offset) % self.world_size
         frm = (self.rank - offset) % self.world_size
-        ops = [dist.P2POp(dist.isend, s, self._global(to), self.group),
-               dist.P2POp(dist.irecv, r, self._global(frm), self.group)]
-        stream = self.comm_stream(s.device)
+        ops = []
+        for a, b in zip(_pieces(s), _pieces(r), strict=True):
+            ops += [dist.P2POp(dist.isend, a, self._global(to), self.group),
+                    dist.P2POp(dist.irecv, b, self._global(frm), self.group)]
+        device = _pieces(s)[0].device
+        stream = self.comm_stream(device)
         if stream is None:
             return _Handle(works=dist.batch_isend_irecv(ops), event=frm)
-        stream.wait_stream(torch.cuda.current_stream(s.device))
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             works = dist.batch_isend_irecv(ops)
         return _Handle(works=works, event=frm)

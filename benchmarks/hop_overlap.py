@@ -1,0 +1,118 @@
+"""Does a simulated ring hop hide behind the block kernels? One rank-step's worth of FA4 blocks
+(the ring's kernels: fp32-output forward, fp32-accumulating backward) timed alone, the hop's
+device-to-device copies alone (copy engine, as the loopback transport does them, and as an SM
+kernel), and both at once on two streams; ``hidden`` is the share of the copy time that did not
+add to the wall time.
+
+    python benchmarks/hop_overlap.py [--out bench_results/hop_overlap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+
+def _time(fn, reps: int = 15) -> float:
+    """Median ms of ``fn`` (all its streams joined into the current one before the end event)."""
+    times = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=8192, help="q rows of a rank (kv: half)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--blocks", type=int, default=8, help="blocks per timed region (the simulated ranks)")
+    ap.add_argument("--out", default="bench_results/hop_overlap.json")
+    a = ap.parse_args()
+    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    m, n, h, d, nb = a.rows, a.rows // 2, a.heads, a.head_dim, a.blocks
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=dev, dtype=bf, generator=g)  # noqa: E731
+    qs = [rnd(1, m, h, d) for _ in range(nb)]
+    ks = [rnd(1, n, h, d) for _ in range(nb)]
+    vs = [rnd(1, n, h, d) for _ in range(nb)]
+    out = torch.empty(1, m, h, d, device=dev)
+    lse = torch.empty(1, h, m, device=dev)
+    scale = d ** -0.5
+    comm = torch.cuda.Stream()
+    kv_src = [torch.randn(2 * m * h * d, device=dev).to(bf) for _ in range(nb)]  # one rank's (k, v)
+    kv_dst = [torch.empty_like(x) for x in kv_src]
+    dkv_src = [torch.randn(m * h * d, device=dev) for _ in range(nb)]  # fp32 dK/dV of a rank, one of two head groups
+    dkv_dst = [torch.empty_like(x) for x in dkv_src]
+
+    def fwd():
+        for i in range(nb):
+            fa4_forward_fp32(qs[i], ks[i], vs[i], causal=False, softmax_scale=scale, out=out, lse=lse)
+
+    o16, l16 = qs[0].clone(), torch.randn(1, h, m, device=dev) + 8.0
+    states = [acc.prepare(qs[i], o16, qs[(i + 1) % nb], l16, softmax_scale=scale) for i in range(nb)]
+    lay = acc.TileKVLayout(states[0], ks[0], n)
+    bufs = [torch.zeros(lay.numel, device=dev) for _ in range(nb)]
+
+    def bwd():
+        for i in range(nb):
+            acc.accumulate_tiles(states[i], ks[i], vs[i], *lay.cols(bufs[i], n, 0, n))
+
+    def copies(src, dst, sm: bool):
+        def run():
+            for s, t in zip(src, dst):
+                torch.neg(s, out=t) if sm else t.copy_(s, non_blocking=True)
+        return run
+
+    def on_comm(copy, kernels=None):
+        def run():
+            comm.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(comm):
+                copy()
+            if kernels is not None:
+                kernels()
+            torch.cuda.current_stream().wait_stream(comm)
+        return run
+
+    rows = []
+    for name, kernels, (src, dst) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
+        kernels()  # compile
+        t_k = _time(kernels)
+        for sm in (False, True):
+            copy = copies(src, dst, sm)
+            t_c = _time(on_comm(copy))
+            t_b = _time(on_comm(copy, kernels))
+            mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
+            rows.append(dict(kernels=name, copy="SM kernel" if sm else "copy engine", kernels_ms=t_k, copies_ms=t_c,
+                             copies_mb=mb, both_ms=t_b, hidden=(t_k + t_c - t_b) / t_c))
+            print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows_q": m, "rows_kv": n, "heads": h, "head_dim": d,
+                   "blocks": nb, "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                   "rows": rows}, f, indent=1)
+    print(f"\nhop overlap on {torch.cuda.get_device_name()} ({nb} blocks of {m} x {n}, h={h}, d={d}; "
+          f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')})")
+    print("| kernels | copy | kernels ms | copies ms (MB) | both ms | hidden |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernels']} | {r['copy']} | {r['kernels_ms']:.3f} | {r['copies_ms']:.3f} ({r['copies_mb']:.0f}) | "
+              f"{r['both_ms']:.3f} | {100 * r['hidden']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
