@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs of the open issues, in stages that each fit one device call (< 10 min).
 # On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
-# Still owed (2026-12-01): groups. The others have run (results in benchmarks/results, README); they
+# Still owed (2026-12-01): final. The others have run (results in benchmarks/results, README); they
 # stay as the way to re-run them.
 #   kernels   GPU tests: FA4 backward into fp32 accumulators (RINGFA4_FP32_GRADS), the ring on it, the
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
@@ -11,6 +11,9 @@
 #             forward profile, precision (~5 min)
 #   groups    the ring backward's dK/dV in two kv-head groups added in place (RINGFA4_DKV_GROUPS): GPU tests, hop
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
+#   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
+#   final     the rest of the GPU suite with today's defaults, precision at P = 8 / 32, ring_sim at both levels and
+#             with hops that copy nothing (attribution) (~7 min)
 #   wire      default settings (fp32 grads on) through the ring / packing GPU tests; dK/dV on a bf16 wire: speed, precision
 #   capacity  512k and 1M tokens on a 2-layer Llama-3.1-8B shape with the allocator trace (~5 min)
 #   fulldepth 32 layers at 256k with the default tools and the attention/MLP/loss shares (~6 min)
@@ -72,6 +75,20 @@ case "${1:-}" in
     done
     python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
       --out "$out/ring_profile_64k_p8_mha_dkv_groups_2.json" 2>&1 | grep -E "^\||^host" | head -24
+    ;;
+  overlap)
+    python3 -m pytest -m gpu -q tests/test_ring_gpu.py -k "poison" 2>&1 | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/hop_overlap.py --out "$out/hop_overlap.json" 2>&1 | grep "^|"
+    ;;
+  final)
+    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_fa4_gpu.py tests/test_offload.py \
+      tests/test_cute_merge.py tests/test_cute_combine.py tests/test_merge_triton.py tests/test_sdpa_gpu.py \
+      "tests/test_ring_gpu.py::test_in_place_dkv_groups_under_poison_and_delay" 2>&1 \
+      | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision.json" 2>&1 | tail -4
+    python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --out "$out/ring_sim_64k_p8.json" 2>&1 | grep "^| 64k"
+    python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops none \
+      --out "$out/ring_sim_64k_p8_no_copies.json" 2>&1 | grep "^| 64k"
     ;;
   wire)
     python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_packing_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -30

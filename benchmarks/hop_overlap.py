@@ -59,47 +59,76 @@ def main() -> None:
     dkv_src = [torch.randn(m * h * d, device=dev) for _ in range(nb)]  # fp32 dK/dV of a rank, one of two head groups
     dkv_dst = [torch.empty_like(x) for x in dkv_src]
 
-    def fwd():
-        for i in range(nb):
-            fa4_forward_fp32(qs[i], ks[i], vs[i], causal=False, softmax_scale=scale, out=out, lse=lse)
+    def fwd(i):
+        fa4_forward_fp32(qs[i], ks[i], vs[i], causal=False, softmax_scale=scale, out=out, lse=lse)
 
     o16, l16 = qs[0].clone(), torch.randn(1, h, m, device=dev) + 8.0
     states = [acc.prepare(qs[i], o16, qs[(i + 1) % nb], l16, softmax_scale=scale) for i in range(nb)]
     lay = acc.TileKVLayout(states[0], ks[0], n)
     bufs = [torch.zeros(lay.numel, device=dev) for _ in range(nb)]
 
-    def bwd():
-        for i in range(nb):
-            acc.accumulate_tiles(states[i], ks[i], vs[i], *lay.cols(bufs[i], n, 0, n))
+    def bwd(i):
+        acc.accumulate_tiles(states[i], ks[i], vs[i], *lay.cols(bufs[i], n, 0, n))
 
-    def copies(src, dst, sm: bool):
+    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+
+    def variant(kind: str, kernel, copy):
+        """One timed region: ``nb`` kernels and ``nb`` copies as ``kind`` arranges them."""
         def run():
-            for s, t in zip(src, dst):
-                torch.neg(s, out=t) if sm else t.copy_(s, non_blocking=True)
+            cur = torch.cuda.current_stream()
+            if kind == "kernels":
+                for i in range(nb):
+                    kernel(i)
+                return
+            stream = high if kind == "burst, high-priority comm" else comm
+            if kind == "paced":  # copy i beside kernel i, as one real rank's hop beside its block
+                for i in range(nb):
+                    stream.wait_stream(cur)
+                    with torch.cuda.stream(stream):
+                        copy(i)
+                    kernel(i)
+            elif kind == "burst, kernels first":
+                ev = cur.record_event()
+                for i in range(nb):
+                    kernel(i)
+                stream.wait_event(ev)
+                with torch.cuda.stream(stream):
+                    for i in range(nb):
+                        copy(i)
+            else:
+                stream.wait_stream(cur)
+                with torch.cuda.stream(stream):
+                    for i in range(nb):
+                        copy(i)
+                if kind == "copies":
+                    pass
+                elif kind == "burst, kernels on a side stream":
+                    side.wait_stream(cur)
+                    with torch.cuda.stream(side):
+                        for i in range(nb):
+                            kernel(i)
+                    cur.wait_stream(side)
+                else:
+                    for i in range(nb):
+                        kernel(i)
+            cur.wait_stream(stream)
         return run
 
-    def on_comm(copy, kernels=None):
-        def run():
-            comm.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(comm):
-                copy()
-            if kernels is not None:
-                kernels()
-            torch.cuda.current_stream().wait_stream(comm)
-        return run
-
+    kinds = ("burst, copies first", "burst, kernels first", "burst, kernels on a side stream",
+             "burst, high-priority comm", "paced")
     rows = []
-    for name, kernels, (src, dst) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
-        kernels()  # compile
-        t_k = _time(kernels)
+    for name, kernel, (src, dst) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
         for sm in (False, True):
-            copy = copies(src, dst, sm)
-            t_c = _time(on_comm(copy))
-            t_b = _time(on_comm(copy, kernels))
+            def copy(i, sm=sm, src=src, dst=dst):
+                torch.neg(src[i], out=dst[i]) if sm else dst[i].copy_(src[i], non_blocking=True)
+            t_k = _time(variant("kernels", kernel, copy))
+            t_c = _time(variant("copies", kernel, copy))
             mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
-            rows.append(dict(kernels=name, copy="SM kernel" if sm else "copy engine", kernels_ms=t_k, copies_ms=t_c,
-                             copies_mb=mb, both_ms=t_b, hidden=(t_k + t_c - t_b) / t_c))
-            print(json.dumps(rows[-1]), flush=True)
+            for kind in (kinds if not sm else ("burst, copies first", "paced")):
+                t_b = _time(variant(kind, kernel, copy))
+                rows.append(dict(kernels=name, copy="SM kernel" if sm else "copy engine", order=kind, kernels_ms=t_k,
+                                 copies_ms=t_c, copies_mb=mb, both_ms=t_b, hidden=(t_k + t_c - t_b) / t_c))
+                print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows_q": m, "rows_kv": n, "heads": h, "head_dim": d,
@@ -107,11 +136,11 @@ def main() -> None:
                    "rows": rows}, f, indent=1)
     print(f"\nhop overlap on {torch.cuda.get_device_name()} ({nb} blocks of {m} x {n}, h={h}, d={d}; "
           f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')})")
-    print("| kernels | copy | kernels ms | copies ms (MB) | both ms | hidden |")
-    print("|---|---|---|---|---|---|")
+    print("| kernels | copy | order | kernels ms | copies ms (MB) | both ms | hidden |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kernels']} | {r['copy']} | {r['kernels_ms']:.3f} | {r['copies_ms']:.3f} ({r['copies_mb']:.0f}) | "
-              f"{r['both_ms']:.3f} | {100 * r['hidden']:.0f}% |")
+        print(f"| {r['kernels']} | {r['copy']} | {r['order']} | {r['kernels_ms']:.3f} | {r['copies_ms']:.3f} "
+              f"({r['copies_mb']:.0f}) | {r['both_ms']:.3f} | {100 * r['hidden']:.0f}% |")
 
 
 if __name__ == "__main__":

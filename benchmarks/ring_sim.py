@@ -10,7 +10,10 @@ shards the inputs and unshards the outputs and gradients, which a real rank neve
 ``executor`` times what each rank runs, the ring forward / backward on already-sharded inputs,
 against the block calls on the same shards.
 
-    python benchmarks/ring_sim.py [--quick] [--level both] [--out bench_results/ring_sim.json]
+``--hops none`` (attribution only: results are wrong) keeps the hops' stream waits and events
+but copies nothing, so ``ring - calls`` splits into the simulated hops' share and the rest.
+
+    python benchmarks/ring_sim.py [--quick] [--level both] [--hops copy] [--out bench_results/ring_sim.json]
 """
 
 from __future__ import annotations
@@ -24,6 +27,23 @@ from _common import cp_step, full_call, median_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
+from ringfa4.parallel import LoopbackTransport
+
+
+class _NoCopyHops(LoopbackTransport):
+    """Loopback hops with their stream waits and events but no copies: timing attribution only
+    (every rank then computes on stale K/V and dK/dV, so results are wrong)."""
+
+    def shift(self, send, recv, offset):
+        device = (send[0][0] if isinstance(send[0], tuple) else send[0]).device
+        stream = self.comm_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, handle):
+        torch.cuda.current_stream().wait_event(handle)
 
 
 def _inputs(S, h, d, n_sets):
@@ -95,6 +115,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--level", choices=("both", "api", "executor"), default="both")
+    ap.add_argument("--hops", choices=("copy", "none"), default="copy",
+                    help="none: hops copy nothing (timing attribution only, wrong results)")
     args = ap.parse_args()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     seqs = [65536] if args.quick else [65536, 262144]
@@ -107,7 +129,8 @@ def main() -> None:
             for backward in {"both": (False, True), "fwd": (False,), "fwd+bwd": (True,)}[args.passes]:
                 t_full = median_ms(full_call(be, spec, backward), sets, rep)
                 for P in (int(p) for p in args.worlds.split(",")):
-                    cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
+                    cp = ringfa4.ContextParallel.simulated(
+                        P, layout="zigzag", backend=be, transport=_NoCopyHops() if args.hops == "none" else None)
                     for level in {"both": ("api", "executor"), "api": ("api",), "executor": ("executor",)}[args.level]:
                         if level == "api":
                             t_ring = median_ms(cp_step(cp, backward, causal=causal), sets, rep)
@@ -119,7 +142,7 @@ def main() -> None:
                                "level": level, "full_ms": t_full, "ring_ms_per_rank": t_ring / P,
                                "calls_ms_per_rank": t_calls / P, "efficiency": t_full / t_ring,
                                "calls_efficiency": t_full / t_calls, "overhead": t_ring / t_calls - 1,
-                               "backend": be.name}
+                               "backend": be.name, "hops": args.hops}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         _save(args, rows)  # after every row: a run cut short keeps what it measured
@@ -127,7 +150,7 @@ def main() -> None:
         del sets
         torch.cuda.empty_cache()
     print(f"\nring, simulated on one {torch.cuda.get_device_name()} ({be.name} blocks, h={args.heads}, "
-          f"d={args.head_dim}, bf16, zigzag)")
+          f"d={args.head_dim}, bf16, zigzag, hops: {args.hops})")
     print("| S | P | causal | pass | level | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone "
           "| overhead |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

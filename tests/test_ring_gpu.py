@@ -46,6 +46,25 @@ def test_loopback_poison_and_delay_are_exact(layout):
     assert not all(torch.equal(a, b) for a, b in zip(plain, bad)), "the check cannot see a missing wait"
 
 
+def test_in_place_dkv_groups_under_poison_and_delay(monkeypatch):
+    """The default backward (fp32 block gradients, dK/dV in two kv-head groups reduce-added in
+    place, each group waiting for its own hop): poisoned, delayed hops change nothing beyond the
+    order of fp32 atomics, while a transport that skips its wait is caught."""
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+    monkeypatch.setenv("RINGFA4_DKV_GROUPS", "2")
+    P = 4
+    q, k, v, do = random_qkv(1, 4096, 4096, 8, 4, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    plain = _run(ringfa4.ContextParallel.simulated(P), q, k, v, do, causal=True)
+    slow = LoopbackTransport(poison=True, delay_cycles=20_000_000)
+    hard = _run(ringfa4.ContextParallel.simulated(P, transport=slow), q, k, v, do, causal=True)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, hard):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3, msg=f"{name} changed under poisoned, delayed hops")
+    broken = _NoWaitTransport(poison=True, delay_cycles=20_000_000)
+    bad = _run(ringfa4.ContextParallel.simulated(P, transport=broken), q, k, v, do, causal=True)
+    assert any(not torch.allclose(a, b, rtol=2e-2, atol=2e-3) for a, b in zip(plain[2:], bad[2:])), \
+        "the check cannot see a missing wait"
+
+
 @pytest.mark.parametrize("P", [2, 4, 8])
 @pytest.mark.parametrize("kw", [{"causal": True}, {}, {"causal": True, "window": (300, None)}], ids=str)
 def test_ring_bf16_matches_float64(P, kw):
