@@ -1,12 +1,16 @@
 """The one ring loop: runs a :class:`RingSchedule` forward and backward for the ranks this process
 holds (one rank: distributed; all P: simulated), with the transport injected.
 
-Forward: K/V of each rank live in one flat double buffer; the hop for step t+1 is posted before
-step t's blocks run; block outputs land in a preallocated scratch and merge into fp32 (out, lse),
-or (``slots`` = n) go to n slots that one combine folds into the accumulator every n blocks.
+Forward: K/V of each rank travel in a double buffer (step 0 reads and sends the inputs
+themselves); the hop for step t+1 is posted before step t's blocks run; each block merges into
+the fp32 (out, lse) inside the attention kernel (``forward_merge``), or its output lands in a
+scratch and a merge kernel folds it in, or (``slots`` = n) it goes to n slots that one combine
+folds into the accumulator every n blocks.
 Backward: per block, the backend backward with the *global* merged out and lse; dq accumulates in
 fp32 locally; dK/dV accumulate in fp32 and travel with the K/V, reaching their owner after the
-last active step; one cast at the end. Steps after the last one any rank needs are not run.
+last active step, in kv-head groups that the kernels add into in place where the backend can
+(see :func:`ring_backward`); one cast at the end. Steps after the last one any rank needs are not
+run.
 """
 
 from __future__ import annotations
