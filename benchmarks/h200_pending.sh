@@ -13,6 +13,7 @@
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
 #   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
+#   verify    the ring's fp32-gradient GPU tests alone (~2 min)
 #   final     the rest of the GPU suite with today's defaults, precision at P = 8 / 32, ring_sim at both levels and
 #             with hops that copy nothing (attribution) (~7 min)
 #   wire      default settings (fp32 grads on) through the ring / packing GPU tests; dK/dV on a bf16 wire: speed, precision
@@ -86,6 +87,10 @@ case "${1:-}" in
       --out "$out/ring_sim_64k_p8_no_copies.json" 2>&1 | grep "^| 64k"
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
       --out "$out/ring_sim_64k_p8_exec.json" 2>&1 | grep "^| 64k"
+    ;;
+  verify)
+    python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_fa4_bwd_accum.py -k "fp32_block_gradients or in_place" \
+      2>&1 | grep -E "passed|failed|^E " | head -20
     ;;
   final)
     timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_fa4_gpu.py tests/test_offload.py \

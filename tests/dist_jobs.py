@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ def ring_case_backend_layout(layout, shape, kw, align):
         res = ring_case(layout, torch.float64, shape, kw, 7)
     finally:
         del _ReferenceAccum.kv_layout
-    res["native"] = [any(m.dense_calls > 0 for m in made[:3])]  # the distributed run's (made first; 2 head groups)
+    # the distributed run's layouts come first: the whole-head one, then (in place) one per kv-head group
+    res["used"] = [m.dense_calls > 0 for m in made[:3]]
     return res
 
 
@@ -79,6 +81,8 @@ def bad_input(kind, ulysses=1):
         s = 3
     if kind == "heads":
         h_kv = 3
+    if kind == "switch_mismatch" and rank == 2:
+        os.environ["RINGFA4_DKV_GROUPS"] = "1"  # this worker's process only; restored below
     q = torch.randn(b, s, h, d)
     k = torch.randn(b, s, h_kv, d, dtype=dtype_k)
     v = torch.randn(b, s, h_kv, d, dtype=dtype_k)
@@ -86,7 +90,10 @@ def bad_input(kind, ulysses=1):
         q = torch.randn(b, s, 6, d)
         k = v = torch.randn(b, s, 6, d)
     cp = ringfa4.ContextParallel(layout="zigzag", backend="reference", ulysses=ulysses)
-    ringfa4.attention(q, k, v, cp=cp, causal=causal)
+    try:
+        ringfa4.attention(q, k, v, cp=cp, causal=causal)
+    finally:
+        os.environ.pop("RINGFA4_DKV_GROUPS", None)
     return "no error"
 
 

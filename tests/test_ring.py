@@ -121,13 +121,16 @@ def test_gloo_ring_matches_float64_and_simulated(pools, world, layout, dtype, kw
                                                ("zigzag", {"causal": True}, True)], ids=str)
 def test_gloo_fp32_grads_in_a_backend_layout(pools, layout, kw, native):
     """Distributed ranks choose the same dK/dV layout (they pass the buffers on): with a window,
-    some rank's blocks start off the layout's alignment, so every rank takes the dense one; the
+    some rank's blocks start off the layout's alignment, so every rank takes the dense one; else
+    every rank adds in place into two kv-head groups (two dK/dV hops a step over gloo); the
     gradients match float64 and the simulated executor bit for bit."""
     world, shape = 2, (1, 2 * 2 * 16, 2, 2, 8)
     res = pools(world).run("ring_case_backend_layout", layout, shape, kw, 16)
     assert all(status == "ok" for status, _ in res), res
     assert all(value["identical"] for _, value in res), "distributed and simulated executors differ"
-    assert all(value["native"] == [native] for _, value in res), res  # one state per rank
+    # native: the blocks added in place into the two kv-head groups' layouts, not the whole-head one
+    assert all(value["used"] == ([False, True, True] if native else [False] * len(value["used"]))
+               for _, value in res), res
     q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=torch.float64, seed=7)
     ref = reference_grads(q, k, v, do, **kw)
     _assert_close(res[0][1]["full"], ref, _full_backend_errors(q, k, v, do, kw, ref), torch.float64,
@@ -153,6 +156,7 @@ BAD = [
     ("bad_dtype", r"rank 3: k must have q's dtype torch.float32"),
     ("not_multiple", r"rank 0: q sequence length \(local 3 x 4 ranks\) 12 must be a multiple of 8"),
     ("heads", r"rank 0: k heads must divide q heads 4"),
+    ("switch_mismatch", r"rank 2: ring backward switches .* is \(1, 1, 1\), expected \(1, 1, 2\)"),
 ]
 
 

@@ -227,7 +227,8 @@ class _Fa4Accum:
 
     def kv_layout(self, k: torch.Tensor, cap: int):
         """dK / dV kept in FA4's tile layout across the ring (:class:`fa4_bwd_accum.TileKVLayout`):
-        each block's kernel reduce-adds into the travelling accumulator, one gather at the end."""
+        each block's kernel reduce-adds into the travelling accumulator; at the end FA4's
+        postprocess writes them out (``write``)."""
         from . import fa4_bwd_accum as acc
 
         return acc.TileKVLayout(self.state, k, cap)

@@ -350,8 +350,10 @@ class TileKVLayout:
     """dK / dV of ``cap`` kv rows ``(b, ·, h_kv, d)`` kept in FA4's tile layout across a ring: one
     flat float32 buffer ``[dk | dv]``, each ``(b, h_kv, rup(cap, tile_n) * d_r)``. Blocks add into
     it with :func:`accumulate_tiles` (no scratch, no gather); buffers of one layout add elementwise;
-    :meth:`dense` gathers the finished sums once. The executor's KV-gradient layout protocol:
-    ``numel``, ``align`` (every block's first kv row must be a multiple), ``cols``, ``dense``."""
+    :meth:`write` puts the finished sums into 16-bit dk / dv (FA4's postprocess), :meth:`dense`
+    gathers them in fp32 (the fallback for a 16-bit buffer). The executor's KV-gradient layout
+    protocol: ``numel``, ``align`` (every block's first kv row must be a multiple), ``cols``,
+    ``dense``, ``write``."""
 
     def __init__(self, state: BwdAccumState, k: torch.Tensor, cap: int) -> None:
         self.state = state

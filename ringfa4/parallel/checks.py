@@ -18,7 +18,8 @@ __all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
-           "ulysses degree", "packing (cu_seqlens fingerprint)")
+           "ulysses degree", "packing (cu_seqlens fingerprint)",
+           "ring backward switches (RINGFA4_FP32_GRADS, RINGFA4_DKV_WIRE fp32, RINGFA4_DKV_GROUPS)")
 _ERROR_KEY = "ringfa4/error"
 
 
@@ -42,15 +43,23 @@ def _f64_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _switches() -> list[int]:
+    """The environment switches that decide what the ring backward sends (buffer count, sizes,
+    dtype): ranks that disagree would post mismatched hops."""
+    from .executor import dkv_groups, dkv_wire_fp32, fp32_grads
+
+    return [int(fp32_grads()), int(dkv_wire_fp32()), dkv_groups()]
+
+
 def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
     return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
             _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), getattr(layout, "ring", layout).chunks_per_rank,
-            getattr(layout, "ulysses", 1), packing]
+            getattr(layout, "ulysses", 1), packing, *_switches()]
 
 
 def _field_slices():
-    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1)
+    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1, 3)
     out, at = [], 0
     for name, n in zip(_FIELDS, sizes):
         out.append((name, slice(at, at + n)))
@@ -69,6 +78,8 @@ def _describe(name: str, vals: list[int]):
         return None if vals[0] == -1 else struct.unpack("<d", struct.pack("<q", vals[0]))[0]
     if name == "causal":
         return bool(vals[0])
+    if name.startswith("ring backward switches"):
+        return tuple(vals)
     return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0]) if name == "layout" else vals[0]
 
 
@@ -76,7 +87,7 @@ def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v,
                        layout: Layout, timeout: datetime.timedelta, packing: int = 0) -> None:
     """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
     every rank if any rank failed its local checks or the ranks disagree."""
-    n = 22
+    n = 25
     meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout, packing))
     use_cuda = dist.get_backend(group) == "nccl"
     device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (

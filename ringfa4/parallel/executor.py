@@ -15,6 +15,7 @@ run.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class RingRun:
     fp32_partials: bool = False  # block outputs in fp32 (no rounding to q's dtype before the merge)
     dkv_wire_fp32: bool = True  # dK/dV accumulate and travel in fp32 (False: in k's dtype, half the bytes)
     fp32_grads: bool = False  # block gradients never rounded to the inputs' dtype (backend.begin_backward)
-    epilogue_merge: bool = False  # blocks merge inside the attention kernel (backend.forward_merge)
+    epilogue_merge: bool = True  # blocks merge inside the attention kernel (backend.forward_merge) where offered
     dkv_groups: int = 2  # kv-head groups dK/dV travel in, added into in place where the backend can
 
     @property
@@ -387,11 +388,12 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         if kv_hop is not None:
             run.transport.wait(kv_hop)
             kv.swap()
+    dqs = sink.dq()  # does not need the last dK/dV hops: runs while they travel
     for g, hop in enumerate(hops):
         if hop is not None:
             run.transport.wait(hop)
             dkv_cur[g] = dkv_nxt[g]
-    return sink.finish(dkv_cur, [_rows(run, r, k) for r, k in zip(run.ranks, ks)])
+    return (dqs, *sink.dkv(dkv_cur, [_rows(run, r, k) for r, k in zip(run.ranks, ks)]))
 
 
 class _KVRing:
@@ -446,13 +448,16 @@ class _BlockGradSink:
         for blk, dk, dv in mine:
             blk.add_dkv(dk_acc, dv_acc, dk, dv)
 
-    def finish(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+    def dq(self) -> list[torch.Tensor]:
+        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)]
+
+    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
         dks, dvs = [], []
         for i, (buf, n) in enumerate(zip(bufs[0], rows)):
             dk, dv = self.bufs.view(buf, n)
             dks.append(dk.to(self.ks[i].dtype))
             dvs.append(dv.to(self.vs[i].dtype))
-        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)], dks, dvs
+        return dks, dvs
 
 
 class _AccumGradSink:
@@ -490,15 +495,24 @@ class _AccumGradSink:
         if mine is not None:
             buf += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
 
-    def finish(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+    def dq(self) -> list[torch.Tensor]:
+        out = []
+        for st, q in zip(self.full, self.qs):
+            takes_dtype = "dtype" in inspect.signature(st.dq).parameters  # optional in the protocol
+            out.append(st.dq(q.dtype) if takes_dtype else st.dq().to(q.dtype))
+        return out
+
+    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
         dks, dvs = [], []
         for i, n in enumerate(rows):
-            dk, dv = torch.empty_like(self.ks[i]), torch.empty_like(self.vs[i])
+            k, v = self.ks[i], self.vs[i]
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             for g, (a, b) in enumerate(self.heads):
                 _write_dkv(self.layouts[g], bufs[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
             dks.append(dk)
             dvs.append(dv)
-        return [st.dq(q.dtype) for st, q in zip(self.full, self.qs)], dks, dvs
+        return dks, dvs
 
 
 def _write_dkv(layout, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
@@ -518,7 +532,9 @@ def dkv_groups() -> int:
     group's kernels reduce-add straight into the travelling buffer once that group's hop has
     arrived, so a step adds no scratch, zeroing or add pass and a group's hop hides behind the
     other groups' blocks; ``1``: one buffer, each step's blocks into a zeroed scratch added after the
-    hop. A count that does not divide the kv heads runs as 1."""
+    hop. Also runs as one buffer through the scratch: a count that does not divide the kv heads,
+    dK/dV on a k-dtype wire, blocks off the layout's alignment (the dense layout), a backend state
+    without ``heads`` / ``kv_layout``."""
     raw = os.environ.get("RINGFA4_DKV_GROUPS", "2")
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"RINGFA4_DKV_GROUPS must be an int >= 1, got {raw!r}")
@@ -543,8 +559,10 @@ class _DenseGrads:
 
 
 def _grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses):
-    """How this backward's block gradients reach the travelling dK/dV (the same choice on every
-    rank: it depends on shapes, dtypes, switches and the whole schedule only)."""
+    """How this backward's block gradients reach the travelling dK/dV. Every rank must choose alike
+    (the buffers travel): the choice depends on shapes, dtypes, the switches (compared across
+    ranks by the metadata check) and the whole schedule, and on whether the backend's
+    ``begin_backward`` offers a state, which for the same inputs it decides alike everywhere."""
     states = _accum_states(run, douts, qs, outs, lses)
     if any(st is None for st in states):
         return _BlockGradSink(run, douts, qs, ks, vs, outs, lses)
@@ -583,7 +601,7 @@ def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers)
 
 def _accum_states(run: RingRun, douts, qs, outs, lses) -> list:
     """Per local rank, the backend's AccumBackward state when ``run.fp32_grads`` asks for one and
-    the backend offers it for these inputs (dense), else None (for every rank)."""
+    the backend offers it for these inputs (dense), else None."""
     begin = getattr(run.backend, "begin_backward", None)
     if not run.fp32_grads or begin is None or qs[0].dim() != 4:
         return [None] * len(qs)
