@@ -15,7 +15,6 @@ run.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ import torch
 
 from ..kernels import AttnSpec, BlockBackend
 from ..kernels.cute_combine import combine_lse_
+from .grad_sinks import grad_sink
 from .ring import RingSchedule
+from .ring_buffers import KVBuffers, KVRing, acc_dtype, cap_of, lse_shape, rows_of
 from .transport import Transport
 
 __all__ = ["ExactLse", "RingRun", "dkv_groups", "dkv_wire_fp32", "epilogue_merge", "fp32_grads", "fp32_partials",
@@ -131,84 +132,18 @@ def active_steps(schedule) -> int:
 
 
 
-def _row_dim(x: torch.Tensor) -> int:
-    """Token dim: 1 for dense (b, s, h, d), 0 for packed (t, h, d)."""
-    return 0 if x.dim() == 3 else 1
-
-
-def _with_rows(x: torch.Tensor, rows: int) -> tuple[int, ...]:
-    shape = list(x.shape)
-    shape[_row_dim(x)] = rows
-    return tuple(shape)
-
-
-def _lse_shape(q: torch.Tensor) -> tuple[int, ...]:
-    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
-
-
-class _KVBuffers:
-    """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
-    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens, ``pieces(buf)`` the (k, v) of
-    all ``cap`` rows (what travels)."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
-        self.cap = cap_rows
-        self.k_shape, self.v_shape = _with_rows(k, cap_rows), _with_rows(v, cap_rows)
-        self.k_cap = math.prod(self.k_shape)
-        self.numel = self.k_cap + math.prod(self.v_shape)
-        self.template = (k, v)
-        self.dtype = dtype or k.dtype
-
-    def empty(self, device) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, device=device)
-
-    def zeros(self, device) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=self.dtype, device=device)
-
-    def view(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(buf, tuple):  # (k, v) pieces: the first ``rows`` (the flat view's memory: packed
-            k, v = buf              # tensors are row-major; dense ranks hold ``cap`` rows)
-            return k.narrow(_row_dim(k), 0, rows), v.narrow(_row_dim(v), 0, rows)
-        k, v = self.template
-        ks, vs = _with_rows(k, rows), _with_rows(v, rows)
-        return buf[: math.prod(ks)].view(ks), buf[self.k_cap: self.k_cap + math.prod(vs)].view(vs)
-
-    def filled(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        buf = self.empty(k.device)
-        kb, vb = self.view(buf, k.shape[_row_dim(k)])
-        kb.copy_(k)
-        vb.copy_(v)
-        return buf
-
-    def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.view(buf, self.cap)
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _rows(run: RingRun, rank: int, x: torch.Tensor) -> int:
-    rows = getattr(run.schedule, "rows", None)
-    return rows(rank) if rows is not None else x.shape[_row_dim(x)]
-
-
-def _cap(run: RingRun, x: torch.Tensor) -> int:
-    return getattr(run.schedule, "max_rows", x.shape[_row_dim(x)])
-
-
 def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per local rank: ``out`` like q (``(b, s, h, d)`` or packed ``(t, h, d)``) and fp32 ``lse``
     (``(b, h, s)`` or ``(h, t)``)."""
     q0 = qs[0]
     dv = vs[0].shape[-1]
-    acc = _acc_dtype(q0)
+    acc = acc_dtype(q0)
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-    bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
-    kv = _KVRing(run, bufs, ks, vs)
+    bufs = KVBuffers(ks[0], vs[0], cap_of(run, ks[0]))
+    kv = KVRing(run, bufs, ks, vs)
     outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
-    lses = [torch.full(_lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
+    lses = [torch.full(lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
     fused = run.epilogue_merge and run.fp32_partials and getattr(run.backend, "forward_merge", None) is not None \
         and acc != q0.dtype and q0.dim() == 4 and not run.slots
@@ -218,8 +153,8 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     for t in range(steps):
         handle = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
-            k_t, v_t = bufs.view(kv.cur[i], _rows(run, run.schedule.source(r, t, world), ks[i]))
-            rows = _rows(run, r, qs[i])
+            k_t, v_t = bufs.view(kv.cur[i], rows_of(run, run.schedule.source(r, t, world), ks[i]))
+            rows = rows_of(run, r, qs[i])
             for blk in run.schedule.blocks(r, t):
                 merge.block(run, i, blk, qs[i], k_t, v_t, rows)
         if handle is not None:
@@ -275,7 +210,7 @@ class _StepMerge(_Merge):
         if q.shape not in self.by_shape:
             lse_dtype, part_dtype = self.dtypes
             self.by_shape[q.shape] = (q.new_empty(q.shape[:-1] + (self.dv,), dtype=part_dtype or q.dtype),
-                                      q.new_empty(_lse_shape(q), dtype=lse_dtype))
+                                      q.new_empty(lse_shape(q), dtype=lse_dtype))
         return self.by_shape[q.shape]
 
     def add(self, i: int, blk, o, l, rows: int) -> None:
@@ -321,7 +256,7 @@ class _SlotCombine(_Merge):
     def __init__(self, qs, outs, lses, dv, lse_dtype, slots: int, part_dtype) -> None:
         self.outs, self.lses, self.n = outs, lses, slots
         self.parts = [q.new_empty((slots,) + q.shape[:-1] + (dv,), dtype=part_dtype or q.dtype) for q in qs]
-        self.lse_parts = [torch.full((slots,) + _lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device)
+        self.lse_parts = [torch.full((slots,) + lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device)
                           for q in qs]
         self.used = [0] * len(qs)
         self.exact = ExactLse(lses)
@@ -362,15 +297,15 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     other group's blocks; otherwise a step's blocks go to a scratch (or come back per block) and
     are added after the hop arrived."""
     steps, world = run.active_steps, run.schedule.world_size
-    bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]))
-    kv = _KVRing(run, bufs, ks, vs)
-    sink = _grad_sink(run, douts, qs, ks, vs, outs, lses)
+    bufs = KVBuffers(ks[0], vs[0], cap_of(run, ks[0]))
+    kv = KVRing(run, bufs, ks, vs)
+    sink = grad_sink(run, douts, qs, ks, vs, outs, lses)
     dkv_cur = [[sink.zeros(g, k.device) for k in ks] for g in range(sink.groups)]
     dkv_nxt = [[sink.empty(g, k.device) for k in ks] for g in range(sink.groups)]
     hops: list = [None] * sink.groups
     for t in range(steps):
         kv_hop = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
-        held = [_rows(run, run.schedule.source(r, t, world), ks[i]) for i, r in enumerate(run.ranks)]
+        held = [rows_of(run, run.schedule.source(r, t, world), ks[i]) for i, r in enumerate(run.ranks)]
         kvs = [bufs.view(kv.cur[i], n) for i, n in enumerate(held)]
         offset = 1 if t + 1 < steps else (world - steps + 1) % world  # after the last step: to the owner
         for g in range(sink.groups):
@@ -393,137 +328,7 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
         if hop is not None:
             run.transport.wait(hop)
             dkv_cur[g] = dkv_nxt[g]
-    return (dqs, *sink.dkv(dkv_cur, [_rows(run, r, k) for r, k in zip(run.ranks, ks)]))
-
-
-class _KVRing:
-    """The K/V a rank holds while they travel, as ``(k, v)`` pieces of ``cap`` rows: ``cur`` (this
-    step's), ``nxt`` (the next hop's receive buffer); ``swap`` after the hop. Where every rank holds
-    ``cap`` rows and the inputs are contiguous, step 0 reads (and the first hop sends) the inputs
-    themselves, with no copy into a buffer; a spare buffer takes their place after the first hop,
-    so the inputs are never received into."""
-
-    def __init__(self, run: RingRun, bufs: _KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
-        direct = all(k.shape[_row_dim(k)] == bufs.cap and k.is_contiguous() and v.is_contiguous()
-                     for k, v in zip(ks, vs))
-        self.cur = [(k, v) if direct else bufs.pieces(bufs.filled(k, v)) for k, v in zip(ks, vs)]
-        self.nxt = [bufs.pieces(bufs.empty(k.device)) for k in ks]
-        self.spare = [bufs.pieces(bufs.empty(k.device)) for k in ks] if direct else None
-
-    def swap(self) -> None:
-        old = self.cur if self.spare is None else self.spare
-        self.cur, self.nxt, self.spare = self.nxt, old, None
-
-
-class _BlockGradSink:
-    """dK/dV without an AccumBackward: each block's gradients come back in the inputs' dtype; dq
-    adds into fp32, dK/dV into the travelling buffer (fp32, or k's dtype on a 16-bit wire) once
-    the hop has arrived. One group, not in place."""
-
-    groups, in_place = 1, False
-
-    def __init__(self, run: RingRun, douts, qs, ks, vs, outs, lses) -> None:
-        acc = _acc_dtype(qs[0])
-        self.run, self.douts, self.qs, self.outs, self.lses, self.ks, self.vs = run, douts, qs, outs, lses, ks, vs
-        self.bufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=acc if run.dkv_wire_fp32 else ks[0].dtype)
-        self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
-
-    def zeros(self, g: int, device) -> torch.Tensor:
-        return self.bufs.zeros(device)
-
-    def empty(self, g: int, device) -> torch.Tensor:
-        return self.bufs.empty(device)
-
-    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
-        mine = []
-        for blk in blocks:
-            dq, dk, dv = blk.backward(self.run.backend, self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i],
-                                      self.run.spec)
-            blk.add_dq(self.dqs[i], dq)
-            mine.append((blk, dk, dv))
-        return mine
-
-    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
-        dk_acc, dv_acc = self.bufs.view(buf, rows)
-        for blk, dk, dv in mine:
-            blk.add_dkv(dk_acc, dv_acc, dk, dv)
-
-    def dq(self) -> list[torch.Tensor]:
-        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)]
-
-    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
-        dks, dvs = [], []
-        for i, (buf, n) in enumerate(zip(bufs[0], rows)):
-            dk, dv = self.bufs.view(buf, n)
-            dks.append(dk.to(self.ks[i].dtype))
-            dvs.append(dv.to(self.vs[i].dtype))
-        return dks, dvs
-
-
-class _AccumGradSink:
-    """dK/dV through the backend's AccumBackward states (block gradients never rounded), in the
-    ``layouts`` of ``len(heads)`` kv-head groups (``heads``: their ``(start, stop)``; ``states[g]``
-    the per-rank states of group g's q heads). In place: blocks add straight into the travelling
-    buffer; else into a zeroed fp32 scratch that is added to the buffer after the hop."""
-
-    def __init__(self, run: RingRun, full: list, states: list[list], layouts: list, heads: list[tuple[int, int]],
-                 in_place: bool, qs, ks, vs, dtype: torch.dtype) -> None:
-        self.run, self.full, self.states, self.layouts, self.heads = run, full, states, layouts, heads
-        self.in_place, self.groups, self.dtype = in_place, len(layouts), dtype
-        self.qs, self.ks, self.vs = qs, ks, vs
-        acc = _acc_dtype(qs[0])
-        self.scratch = None if in_place else [torch.empty(layouts[0].numel, dtype=acc, device=k.device) for k in ks]
-
-    def zeros(self, g: int, device) -> torch.Tensor:
-        return torch.zeros(self.layouts[g].numel, dtype=self.dtype, device=device)
-
-    def empty(self, g: int, device) -> torch.Tensor:
-        return torch.empty(self.layouts[g].numel, dtype=self.dtype, device=device)
-
-    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
-        if not blocks:
-            return None
-        target = dst if self.in_place else self.scratch[i].zero_()
-        a, b = self.heads[g]
-        k_g, v_g = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
-        for blk in blocks:
-            blk.accumulate(self.states[g][i], k_g, v_g, self.run.spec, *self.layouts[g].cols(target, rows, blk.k0,
-                                                                                               blk.k1))
-        return None if self.in_place else target
-
-    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
-        if mine is not None:
-            buf += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
-
-    def dq(self) -> list[torch.Tensor]:
-        out = []
-        for st, q in zip(self.full, self.qs):
-            takes_dtype = "dtype" in inspect.signature(st.dq).parameters  # optional in the protocol
-            out.append(st.dq(q.dtype) if takes_dtype else st.dq().to(q.dtype))
-        return out
-
-    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
-        dks, dvs = [], []
-        for i, n in enumerate(rows):
-            k, v = self.ks[i], self.vs[i]
-            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
-            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            for g, (a, b) in enumerate(self.heads):
-                _write_dkv(self.layouts[g], bufs[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
-            dks.append(dk)
-            dvs.append(dv)
-        return dks, dvs
-
-
-def _write_dkv(layout, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """A layout's finished dK/dV into ``dk, dv`` (the inputs' dtype): its ``write`` where offered."""
-    write = getattr(layout, "write", None)
-    if write is not None:
-        write(buf, rows, dk, dv)
-        return
-    dk_f, dv_f = layout.dense(buf, rows)
-    dk.copy_(dk_f)
-    dv.copy_(dv_f)
+    return (dqs, *sink.dkv(dkv_cur, [rows_of(run, r, k) for r, k in zip(run.ranks, ks)]))
 
 
 def dkv_groups() -> int:
@@ -539,70 +344,3 @@ def dkv_groups() -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"RINGFA4_DKV_GROUPS must be an int >= 1, got {raw!r}")
     return int(raw)
-
-
-class _DenseGrads:
-    """dK/dV as dense ``(b, rows, h_kv, d)`` views of :class:`_KVBuffers` (the executor's own layout;
-    the backend's ``kv_layout`` may offer its native one instead, see AccumBackward)."""
-
-    align = 1
-
-    def __init__(self, bufs: _KVBuffers) -> None:
-        self.bufs, self.numel = bufs, bufs.numel
-
-    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dk, dv = self.bufs.view(buf, rows)
-        return dk[:, k0:k1], dv[:, k0:k1]
-
-    def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bufs.view(buf, rows)
-
-
-def _grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses):
-    """How this backward's block gradients reach the travelling dK/dV. Every rank must choose alike
-    (the buffers travel): the choice depends on shapes, dtypes, the switches (compared across
-    ranks by the metadata check) and the whole schedule, and on whether the backend's
-    ``begin_backward`` offers a state, which for the same inputs it decides alike everywhere."""
-    states = _accum_states(run, douts, qs, outs, lses)
-    if any(st is None for st in states):
-        return _BlockGradSink(run, douts, qs, ks, vs, outs, lses)
-    wire = _acc_dtype(qs[0]) if run.dkv_wire_fp32 else ks[0].dtype
-    gbufs = _KVBuffers(ks[0], vs[0], _cap(run, ks[0]), dtype=wire)
-    layout = _grad_layout(run, states, ks[0], gbufs)
-    h, h_kv = qs[0].shape[2], ks[0].shape[2]
-    n = run.dkv_groups
-    if not isinstance(layout, _DenseGrads) and run.dkv_wire_fp32 and 1 < n and h_kv % n == 0 \
-            and all(hasattr(st, "heads") for st in states):
-        per, q_per = h_kv // n, h // h_kv
-        heads = [(g * per, (g + 1) * per) for g in range(n)]
-        groups = [[st.heads(a * q_per, b * q_per) for st in states] for a, b in heads]
-        layouts = [grp[0].kv_layout(ks[0].narrow(2, a, b - a), _cap(run, ks[0])) for grp, (a, b) in zip(groups, heads)]
-        if all(lay is not None and lay.align == layout.align for lay in layouts):
-            return _AccumGradSink(run, states, groups, layouts, heads, True, qs, ks, vs, wire)
-    return _AccumGradSink(run, states, [states], [layout], [(0, h_kv)], False, qs, ks, vs, wire)
-
-
-def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: _KVBuffers):
-    """The backend's own dK/dV layout when every local state offers one and every block of the
-    schedule, on every rank (the buffers travel: all ranks must choose alike), starts at a kv row it
-    can address; else the dense layout."""
-    dense = _DenseGrads(gbufs)
-    offer = getattr(states[0], "kv_layout", None)
-    if offer is None or any(st is None for st in states):
-        return dense
-    layout = offer(k, _cap(run, k))
-    if layout is None:
-        return dense
-    sched = run.schedule
-    aligned = all(b.k0 % layout.align == 0 for t in range(run.active_steps) for r in range(sched.world_size)
-                  for b in sched.blocks(r, t))
-    return layout if aligned else dense
-
-
-def _accum_states(run: RingRun, douts, qs, outs, lses) -> list:
-    """Per local rank, the backend's AccumBackward state when ``run.fp32_grads`` asks for one and
-    the backend offers it for these inputs (dense), else None."""
-    begin = getattr(run.backend, "begin_backward", None)
-    if not run.fp32_grads or begin is None or qs[0].dim() != 4:
-        return [None] * len(qs)
-    return [begin(do, q, o, lse, run.spec) for do, q, o, lse in zip(douts, qs, outs, lses)]

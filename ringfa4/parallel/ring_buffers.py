@@ -1,0 +1,99 @@
+"""The buffers a ring step reads and sends: K/V (and dK/dV) of every local rank, sized for the
+largest rank, and the helpers that give a rank's rows and the accumulation dtype."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .executor import RingRun
+
+__all__ = ["KVBuffers", "KVRing", "acc_dtype", "cap_of", "lse_shape", "row_dim", "rows_of", "with_rows"]
+
+
+def row_dim(x: torch.Tensor) -> int:
+    """Token dim: 1 for dense (b, s, h, d), 0 for packed (t, h, d)."""
+    return 0 if x.dim() == 3 else 1
+
+
+def with_rows(x: torch.Tensor, rows: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[row_dim(x)] = rows
+    return tuple(shape)
+
+
+def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+
+
+class KVBuffers:
+    """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
+    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens, ``pieces(buf)`` the (k, v) of
+    all ``cap`` rows (what travels)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
+        self.cap = cap_rows
+        self.k_shape, self.v_shape = with_rows(k, cap_rows), with_rows(v, cap_rows)
+        self.k_cap = math.prod(self.k_shape)
+        self.numel = self.k_cap + math.prod(self.v_shape)
+        self.template = (k, v)
+        self.dtype = dtype or k.dtype
+
+    def empty(self, device) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=self.dtype, device=device)
+
+    def zeros(self, device) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=self.dtype, device=device)
+
+    def view(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(buf, tuple):  # (k, v) pieces: the first ``rows`` (the flat view's memory: packed
+            k, v = buf              # tensors are row-major; dense ranks hold ``cap`` rows)
+            return k.narrow(row_dim(k), 0, rows), v.narrow(row_dim(v), 0, rows)
+        k, v = self.template
+        ks, vs = with_rows(k, rows), with_rows(v, rows)
+        return buf[: math.prod(ks)].view(ks), buf[self.k_cap: self.k_cap + math.prod(vs)].view(vs)
+
+    def filled(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        buf = self.empty(k.device)
+        kb, vb = self.view(buf, k.shape[row_dim(k)])
+        kb.copy_(k)
+        vb.copy_(v)
+        return buf
+
+    def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view(buf, self.cap)
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def rows_of(run: RingRun, rank: int, x: torch.Tensor) -> int:
+    rows = getattr(run.schedule, "rows", None)
+    return rows(rank) if rows is not None else x.shape[row_dim(x)]
+
+
+def cap_of(run: RingRun, x: torch.Tensor) -> int:
+    return getattr(run.schedule, "max_rows", x.shape[row_dim(x)])
+
+
+class KVRing:
+    """The K/V a rank holds while they travel, as ``(k, v)`` pieces of ``cap`` rows: ``cur`` (this
+    step's), ``nxt`` (the next hop's receive buffer); ``swap`` after the hop. Where every rank holds
+    ``cap`` rows and the inputs are contiguous, step 0 reads (and the first hop sends) the inputs
+    themselves, with no copy into a buffer; a spare buffer takes their place after the first hop,
+    so the inputs are never received into."""
+
+    def __init__(self, run: RingRun, bufs: KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        direct = all(k.shape[row_dim(k)] == bufs.cap and k.is_contiguous() and v.is_contiguous()
+                     for k, v in zip(ks, vs))
+        self.cur = [(k, v) if direct else bufs.pieces(bufs.filled(k, v)) for k, v in zip(ks, vs)]
+        self.nxt = [bufs.pieces(bufs.empty(k.device)) for k in ks]
+        self.spare = [bufs.pieces(bufs.empty(k.device)) for k in ks] if direct else None
+
+    def swap(self) -> None:
+        old = self.cur if self.spare is None else self.spare
+        self.cur, self.nxt, self.spare = self.nxt, old, None
