@@ -83,6 +83,8 @@ def bad_input(kind, ulysses=1):
         h_kv = 3
     if kind == "switch_mismatch" and rank == 2:
         os.environ["RINGFA4_DKV_GROUPS"] = "1"  # this worker's process only; restored below
+    if kind == "switch_invalid" and rank == 1:
+        os.environ["RINGFA4_DKV_GROUPS"] = "zero"
     q = torch.randn(b, s, h, d)
     k = torch.randn(b, s, h_kv, d, dtype=dtype_k)
     v = torch.randn(b, s, h_kv, d, dtype=dtype_k)

@@ -88,7 +88,13 @@ def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v,
     """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
     every rank if any rank failed its local checks or the ranks disagree."""
     n = 25
-    meta = [1 if error else 0] + ([0] * (n - 1) if error else _meta(q, k, v, spec, layout, packing))
+    payload = None
+    if error is None:
+        try:
+            payload = _meta(q, k, v, spec, layout, packing)
+        except ValueError as exc:  # a bad switch in this process's environment: every rank raises it
+            error = f"rank {rank}: {exc}"
+    meta = [1 if error else 0] + ([0] * (n - 1) if error else payload)
     use_cuda = dist.get_backend(group) == "nccl"
     device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (
         torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
