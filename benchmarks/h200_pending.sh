@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs of the open issues, in stages that each fit one device call (< 10 min).
 # On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
-# Still owed (2026-12-01): none. Every stage has run (results in benchmarks/results, README); they stay as
-# the way to re-run them.
+# Still owed (2026-12-01): nccl (no multi-GPU kind was lent). Every other stage has run (results in
+# benchmarks/results, README); they stay as the way to re-run them.
 #   kernels   GPU tests: FA4 backward into fp32 accumulators (RINGFA4_FP32_GRADS), the ring on it, the
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
 #   ring      where a ring step's time goes; fp32 block gradients (and with slots): speed and precision
@@ -13,6 +13,8 @@
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
 #   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
+#   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
+#             deterministic and default backward, and weak scaling vs PyTorch CP + cuDNN (~4 min)
 #   verify    the ring's fp32-gradient GPU tests alone (~2 min)
 #   final     the rest of the GPU suite with today's defaults, precision at P = 8 / 32, ring_sim at both levels and
 #             with hops that copy nothing (attribution) (~7 min)
@@ -87,6 +89,10 @@ case "${1:-}" in
       --out "$out/ring_sim_64k_p8_no_copies.json" 2>&1 | grep "^| 64k"
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
       --out "$out/ring_sim_64k_p8_exec.json" 2>&1 | grep "^| 64k"
+    ;;
+  nccl)
+    torchrun --standalone --nproc-per-node 2 benchmarks/ring_nccl.py --out "$out/ring_nccl.json" 2>&1 \
+      | grep -E "^\{|^\||Error" | tail -12
     ;;
   verify)
     python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_fa4_bwd_accum.py -k "fp32_block_gradients or in_place" \

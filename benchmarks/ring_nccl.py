@@ -5,7 +5,9 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
 
 1. Same inputs on every rank; the distributed executor (NCCL, fa4 blocks) on this rank's zigzag
    shard against the simulated executor run on the full sequence on the same GPU: out, lse, dq,
-   dk, dv must be bit-identical.
+   dk, dv bit-identical with the deterministic backward; with the default one (fp32 gradients
+   reduce-added in place into kv-head groups, two dK/dV hops a step) out / lse bit-identical and
+   the gradients equal up to the order of fp32 atomics.
 2. Weak scaling at 16k and 32k tokens per GPU (h=32, d=128, bf16, causal): efficiency =
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
@@ -45,27 +47,34 @@ def _timed(fn, sets, iters=5, windows=5):
     return statistics.median(out)
 
 
-def check_against_simulated(cp, be, rank, P):
+def check_against_simulated(cp, be, rank, P, deterministic: bool):
+    """This rank's out, lse, dq, dk, dv from the distributed executor against the simulated one on
+    the same GPU. Deterministic: bit-identical. Default (fp32 block gradients reduce-added by
+    atomics, in place into kv-head groups): out and lse bit-identical, gradients equal up to the
+    order of the fp32 atomics (relative L2 difference under 1e-2)."""
     S, h, d = 2 * P * 2048, 8, 128
     g = torch.Generator(device="cuda").manual_seed(1234)
     q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
+    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=deterministic)
     out.backward(cp.shard(do).contiguous())
     sim = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-    so, sl = ringfa4.attention(qs, ks, vs, cp=sim, causal=True, return_lse=True, deterministic=True)
+    so, sl = ringfa4.attention(qs, ks, vs, cp=sim, causal=True, return_lse=True, deterministic=deterministic)
     so.backward(do)
     pairs = {"out": (out, cp.shard(so)), "lse": (lse, cp.shard(sl, 2)), "dq": (ql.grad, cp.shard(qs.grad)),
              "dk": (kl.grad, cp.shard(ks.grad)), "dv": (vl.grad, cp.shard(vs.grad))}
-    result = {}
+    result, good = {}, True
     for name, (a, b) in pairs.items():
-        same = torch.equal(a, b.contiguous())
-        diff = (a.float() - b.float()).abs().max().item()
-        result[name] = {"identical": same, "max_abs_diff": diff}
-    ok = torch.tensor([all(r["identical"] for r in result.values())], device="cuda", dtype=torch.int32)
+        b = b.contiguous()
+        same = torch.equal(a, b)
+        rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+        result[name] = {"identical": same, "max_abs_diff": (a.float() - b.float()).abs().max().item(), "rel_l2": rel}
+        good &= same if (deterministic or name in ("out", "lse")) else rel < 1e-2
+    ok = torch.tensor([int(good)], device="cuda", dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"S": S, "h": h, "d": d, "rank": rank, "per_tensor": result, "all_ranks_identical": bool(ok.item())}
+    return {"S": S, "h": h, "d": d, "rank": rank, "deterministic": deterministic, "per_tensor": result,
+            "all_ranks_ok": bool(ok.item())}
 
 
 def weak_scaling(cp, be, P, s_local, h=32, d=128):
@@ -138,7 +147,7 @@ def main() -> None:
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     cp = ringfa4.ContextParallel(layout="zigzag", backend=be)
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
-    report["check"] = check_against_simulated(cp, be, rank, P)
+    report["check"] = [check_against_simulated(cp, be, rank, P, det) for det in (True, False)]
     report["weak_scaling"] = [weak_scaling(cp, be, P, int(s)) for s in args.per_gpu.split(",")]
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
