@@ -193,9 +193,9 @@ class _ReferenceAccum:
     def heads(self, h0: int, h1: int) -> _ReferenceAccum:
         """The state of q heads ``[h0, h1)`` (views: dq adds into this state's accumulator)."""
         view = object.__new__(_ReferenceAccum)
-        view.backend, view.dout, view.q, view.out, view.lse, view.acc = self.backend, *(
-            t.narrow(2, h0, h1 - h0) for t in (self.dout, self.q, self.out)), self.lse.narrow(1, h0, h1 - h0), \
-            self.acc.narrow(2, h0, h1 - h0)
+        n = h1 - h0
+        view.backend, view.lse, view.acc = self.backend, self.lse.narrow(1, h0, n), self.acc.narrow(2, h0, n)
+        view.dout, view.q, view.out = (t.narrow(2, h0, n) for t in (self.dout, self.q, self.out))
         return view
 
     def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:

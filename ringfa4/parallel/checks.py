@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..kernels import AttnSpec
 from ..kernels.validate import validate_block
+from .executor import dkv_groups, dkv_wire_fp32, fp32_grads
 from .layouts import Layout
 
 __all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
@@ -46,8 +47,6 @@ def _f64_bits(x: float | None) -> int:
 def _switches() -> list[int]:
     """The environment switches that decide what the ring backward sends (buffer count, sizes,
     dtype): ranks that disagree would post mismatched hops."""
-    from .executor import dkv_groups, dkv_wire_fp32, fp32_grads
-
     return [int(fp32_grads()), int(dkv_wire_fp32()), dkv_groups()]
 
 

@@ -14,7 +14,6 @@ A sink offers ``groups``, ``in_place``, ``zeros`` / ``empty`` (a group's travell
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,11 +107,7 @@ class AccumGradSink:
             buf += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
 
     def dq(self) -> list[torch.Tensor]:
-        out = []
-        for st, q in zip(self.full, self.qs):
-            takes_dtype = "dtype" in inspect.signature(st.dq).parameters  # optional in the protocol
-            out.append(st.dq(q.dtype) if takes_dtype else st.dq().to(q.dtype))
-        return out
+        return [st.dq(q.dtype) for st, q in zip(self.full, self.qs)]
 
     def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
         dks, dvs = [], []
