@@ -12,6 +12,8 @@
 #   groups    the ring backward's dK/dV in two kv-head groups added in place (RINGFA4_DKV_GROUPS): GPU tests, hop
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
 #   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
+#   planes    the merging epilogue keeps the running lse as (M, S) planes: GPU tests, precision, ring_sim, profile
+#   engine    hops on the copy engines (RINGFA4_LOOPBACK_COPY): GPU tests, hop_overlap, ring_sim engine vs torch (~5 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
 #             deterministic and default backward, and weak scaling vs PyTorch CP + cuDNN (~4 min)
@@ -89,6 +91,29 @@ case "${1:-}" in
       --out "$out/ring_sim_64k_p8_no_copies.json" 2>&1 | grep "^| 64k"
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
       --out "$out/ring_sim_64k_p8_exec.json" 2>&1 | grep "^| 64k"
+    ;;
+  planes)
+    timeout 330 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py tests/test_copy_engine.py 2>&1 \
+      | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision_planes.json" 2>&1 | tail -4
+    for lvl in api executor; do
+      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level $lvl \
+        --out "$out/ring_sim_64k_p8_planes_$lvl.json" 2>&1 | grep "^| 64k"
+    done
+    python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+      --forward-only --out "$out/ring_profile_64k_p8_fwd_planes.json" 2>&1 | grep -E "^\||^host" | head -14
+    ;;
+  engine)
+    python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_copy_engine.py -k "poison or engine" 2>&1 \
+      | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/hop_overlap.py --out "$out/hop_overlap_engine.json" 2>&1 | grep "^|"
+    for c in engine torch; do
+      for lvl in api executor; do
+        echo "== RINGFA4_LOOPBACK_COPY=$c level $lvl"
+        RINGFA4_LOOPBACK_COPY=$c python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level $lvl \
+          --out "$out/ring_sim_64k_p8_copy_${c}_$lvl.json" 2>&1 | grep "^| 64k"
+      done
+    done
     ;;
   nccl)
     torchrun --standalone --nproc-per-node 2 benchmarks/ring_nccl.py --out "$out/ring_nccl.json" 2>&1 \

@@ -1,8 +1,8 @@
 """Does a simulated ring hop hide behind the block kernels? One rank-step's worth of FA4 blocks
 (the ring's kernels: fp32-output forward, fp32-accumulating backward) timed alone, the hop's
-device-to-device copies alone (copy engine, as the loopback transport does them, and as an SM
-kernel), and both at once on two streams; ``hidden`` is the share of the copy time that did not
-add to the wall time.
+device-to-device copies alone (``copy_``; the driver's batched copy on the copy engines, as the
+loopback transport does them, parallel/copy_engine.py; an SM kernel), and both at once on two
+streams; ``hidden`` is the share of the copy time that did not add to the wall time.
 
     python benchmarks/hop_overlap.py [--out bench_results/hop_overlap.json]
 """
@@ -117,16 +117,33 @@ def main() -> None:
     kinds = ("burst, copies first", "burst, kernels first", "burst, kernels on a side stream",
              "burst, high-priority comm", "paced")
     rows = []
+    from ringfa4.parallel.copy_engine import engine_copy_
+
+    def copier(method: str, src, dst):
+        def copy(i):
+            if method == "SM kernel":
+                torch.neg(src[i], out=dst[i])
+            elif method == "batched, copy engines":
+                engine_copy_([(dst[i], src[i])], torch.cuda.current_stream())
+            else:
+                dst[i].copy_(src[i], non_blocking=True)
+        return copy
+
+    methods = ("copy_", "batched, copy engines", "SM kernel")
     for name, kernel, (src, dst) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
-        for sm in (False, True):
-            def copy(i, sm=sm, src=src, dst=dst):
-                torch.neg(src[i], out=dst[i]) if sm else dst[i].copy_(src[i], non_blocking=True)
+        for method in methods:
+            copy = copier(method, src, dst)
+            for x in dst:
+                x.zero_()
+            copy(0)
+            torch.cuda.synchronize()
+            assert torch.equal(dst[0], src[0]), f"{method} copy is wrong"
             t_k = _time(variant("kernels", kernel, copy))
             t_c = _time(variant("copies", kernel, copy))
             mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
-            for kind in (kinds if not sm else ("burst, copies first", "paced")):
+            for kind in (kinds if method == "batched, copy engines" else ("burst, copies first", "paced")):
                 t_b = _time(variant(kind, kernel, copy))
-                rows.append(dict(kernels=name, copy="SM kernel" if sm else "copy engine", order=kind, kernels_ms=t_k,
+                rows.append(dict(kernels=name, copy=method, order=kind, kernels_ms=t_k,
                                  copies_ms=t_c, copies_mb=mb, both_ms=t_b, hidden=(t_k + t_c - t_b) / t_c))
                 print(json.dumps(rows[-1]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

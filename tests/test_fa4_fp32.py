@@ -291,10 +291,12 @@ MERGE_CASES = [  # (name, (b, s_q, s_k, h, h_kv, d), kwargs of the merged block)
 @pytest.mark.parametrize("name,shape,kw", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
 def test_merge_epilogue_vs_torch_merge(gpu, name, shape, kw):
     """fa4_merge: a block merged inside FA4's epilogue into a strided fp32 accumulator and a slice of
-    (b, h, 2, S) lse planes equals fa4_forward_fp32 followed by the torch merge; rows where both lse
-    are -inf keep out = 0; nothing outside the views is touched; the block lse lands in plane 1."""
+    (b, h, 2, S) running (M, S) planes equals fa4_forward_fp32 followed by the torch planes merge
+    (and, through M + log S, the lse merge); rows where both sides are -inf keep out = 0 and
+    (M, S) = (-inf, 0); nothing outside the views is touched."""
     from ringfa4.kernels import merge_lse_
     from ringfa4.kernels.fa4_merge import fa4_forward_merge_
+    from ringfa4.kernels.merge import merge_planes_, planes_lse
 
     fp32_fwd, _ = gpu
     kw = dict(kw)
@@ -306,23 +308,29 @@ def test_merge_epilogue_vs_torch_merge(gpu, name, shape, kw):
                   softmax_scale=d ** -0.5)
     o0, l0 = fp32_fwd(q, k0, v0, causal=False, softmax_scale=d ** -0.5)  # the accumulator so far
     o0[:, :16], l0[:, :, :16] = 0.0, -math.inf  # rows no earlier block reached
-    ref_o, ref_l = o0.clone(), l0.clone()
+    start = torch.stack([l0, torch.where(l0 == -math.inf, 0.0, 1.0)], dim=2)  # (M, S) after one block
+    ref_o, ref_l, ref_planes = o0.clone(), l0.clone(), start.clone()
     o1, l1 = fp32_fwd(q, k, v, **common)
     merge_lse_(ref_o, ref_l, o1, l1)
+    ref_po = o0.clone()
+    merge_planes_(ref_po, ref_planes, o1, l1)
 
     acc_buf = torch.full((b, s_q, 2 * h, d), math.nan, device="cuda")
     acc = acc_buf[:, :, 1::2]  # every other head: a strided accumulator
     acc.copy_(o0)
     planes_buf = torch.full((b, h, 2, s_q + 24), math.nan, device="cuda")
     planes = planes_buf[..., 8:8 + s_q]
-    planes[:, :, 0] = l0
+    planes.copy_(start)
     got = fa4_forward_merge_(q, k, v, acc, planes, **common)
-    assert got.data_ptr() == planes[:, :, 1].data_ptr()
-    torch.testing.assert_close(got, l1, rtol=0, atol=0)  # the same kernel's lse, -inf rows included
-    torch.testing.assert_close(planes[:, :, 0], ref_l, rtol=1e-6, atol=1e-6)
+    assert got.data_ptr() == planes.data_ptr()
+    torch.testing.assert_close(planes[:, :, 0], ref_planes[:, :, 0], rtol=0, atol=0)  # M: a max of lse values
+    torch.testing.assert_close(planes[:, :, 1], ref_planes[:, :, 1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(planes_lse(planes), ref_l, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc, ref_po, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(acc, ref_o, rtol=1e-5, atol=1e-6)
     both = torch.isinf(ref_l).permute(0, 2, 1)  # (b, s_q, h)
     assert (acc[both] == 0).all(), name
+    assert (planes[:, :, 1][torch.isinf(ref_l)] == 0).all(), name
     assert torch.isnan(acc_buf[:, :, 0::2]).all()
     assert torch.isnan(planes_buf[..., :8]).all() and torch.isnan(planes_buf[..., 8 + s_q:]).all()
     with pytest.raises(ValueError, match="planes"):  # plane 1 is not half a head stride after plane 0

@@ -94,3 +94,54 @@ def test_merge_rejects_bad_shapes():
     with pytest.raises(ValueError, match="out_acc must be float32"):
         merge_lse_(torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 4),
                    torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 4))
+
+
+@pytest.mark.parametrize("n_blocks", [1, 3, 8, 32])
+def test_merge_planes_equals_full_and_rounds_once(n_blocks):
+    """The planes form (running M, S; FA4's merging epilogue does the same): random K/V splits
+    merged in random order give full attention; -inf rows (a block that saw no key, or none yet)
+    stay out 0, M -inf, S 0, and the lse is as close to float64 as one rounding."""
+    from ringfa4.kernels.merge import fresh_planes, merge_planes_, planes_lse
+
+    rnd = random.Random(n_blocks)
+    g = torch.Generator().manual_seed(n_blocks)
+    b, s, h, d = 2, 40, 3, 8
+    q, k, v = (torch.randn(b, n, h, d, generator=g) for n in (s, 4 * 32, 4 * 32))
+    q[:, :4] *= 30.0  # large lse values: the once-rounded sum matters
+    cuts = sorted(rnd.sample(range(1, k.shape[1]), n_blocks - 1))
+    bounds = list(zip([0] + cuts, cuts + [k.shape[1]]))
+    rnd.shuffle(bounds)
+    be = get_backend("reference")
+    out, planes = torch.zeros(b, s, h, d), fresh_planes(b, h, s, torch.device("cpu"))
+    dead = torch.zeros(b, 5, h, d), fresh_planes(b, h, 5, torch.device("cpu"))  # rows that never see a key
+    for k0, k1 in bounds:
+        o_b, l_b = be.forward(q, k[:, k0:k1], v[:, k0:k1], AttnSpec())
+        merge_planes_(out, planes, o_b, l_b)
+        merge_planes_(*dead, torch.zeros(b, 5, h, d), torch.full((b, h, 5), -math.inf))
+    ro, rl = attention64(q, k, v)
+    full_o, full_l = be.forward(q, k, v, AttnSpec())  # the same backend on the whole sequence
+    lse = planes_lse(planes)
+    assert rel_err(out, ro) <= 2 * rel_err(full_o, ro) + 1e-6
+    ulp = torch.finfo(torch.float32).eps * rl.abs().max()
+    assert (lse.double() - rl).abs().max() <= 2 * (full_l.double() - rl).abs().max() + ulp
+    assert (dead[0] == 0).all() and (dead[1][:, :, 0] == -math.inf).all() and (dead[1][:, :, 1] == 0).all()
+    assert (planes_lse(dead[1]) == -math.inf).all()
+
+
+def test_merge_planes_matches_merge_lse_on_infinite_sides():
+    """(-inf, x), (x, -inf), (-inf, -inf) and finite pairs: the planes form equals merge_lse_."""
+    from ringfa4.kernels.merge import merge_planes_, planes_lse
+
+    inf = math.inf
+    acc_l = torch.tensor([[[-inf, 1.5, -inf, 0.25]]])
+    blk_l = torch.tensor([[[2.0, -inf, -inf, 3.0]]])
+    acc_o = torch.tensor([0.0, 1.0, 0.0, -2.0]).view(1, 4, 1, 1).expand(1, 4, 1, 4).clone()
+    blk_o = torch.tensor([5.0, 0.0, 0.0, 4.0]).view(1, 4, 1, 1).expand(1, 4, 1, 4).clone()
+    ref_o, ref_l = acc_o.clone(), acc_l.clone()
+    merge_lse_(ref_o, ref_l, blk_o, blk_l)
+    planes = torch.stack([acc_l, torch.where(acc_l == -inf, 0.0, 1.0)], dim=2)  # (M, S) of one block
+    got_o = acc_o.clone()
+    merge_planes_(got_o, planes, blk_o, blk_l)
+    torch.testing.assert_close(got_o, ref_o)
+    torch.testing.assert_close(planes_lse(planes), ref_l)
+    assert not torch.isnan(got_o).any()

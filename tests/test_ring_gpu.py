@@ -31,8 +31,10 @@ def _run(cp, q, k, v, do, **kw):
     return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
 
 
+@pytest.mark.parametrize("copy", ["engine", "torch"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_loopback_poison_and_delay_are_exact(layout):
+def test_loopback_poison_and_delay_are_exact(layout, copy, monkeypatch):
+    monkeypatch.setenv("RINGFA4_LOOPBACK_COPY", copy)
     P = 4
     q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=1)
     kw = {"causal": True, "deterministic": True}  # FA4's default dq reduction is atomic

@@ -169,8 +169,8 @@ class Fa4Backend:
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
         """One ring block merged inside FA4's epilogue (:mod:`.fa4_merge`, sm90): ``out_acc (b, s_q,
-        h, d)`` float32 and the lse ``planes (b, h, 2, s_q)`` (running, block) updated in place;
-        returns the block's lse (plane 1), or None, touching nothing, where it cannot run (varlen,
+        h, d)`` float32 and the running ``planes (b, h, 2, s_q)`` (M, S) updated in place;
+        returns ``planes``, or None, touching nothing, where it cannot run (varlen,
         not sm90, d != d_v, head dims FA4 lacks): the caller then runs forward and a merge."""
         from . import fa4_merge
         from .fa4_bwd_accum import _arch

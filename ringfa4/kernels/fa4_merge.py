@@ -7,23 +7,27 @@ on the H200 (64k, P = 8: the merges ran at ~3.9 TB/s, the copy ceiling). Here th
 FA4's sm90 forward (``_Sm90Fp32Out`` of :mod:`.fa4_fp32`, subclassed again) does the merge while
 the normalized block output is still in registers:
 
-    w_acc = exp(lse_acc - m) / z,  w_blk = exp(lse_blk - m) / z,   m = max(lse_acc, lse_blk),
-    z = exp(lse_acc - m) + exp(lse_blk - m);   out_acc <- w_acc * out_acc + w_blk * o_blk
+    the running lse is kept as (M, S): M = the largest block lse so far, S = sum_i exp(lse_i - M),
+    so lse = M + log S;  for a block (o_blk, b):  M' = max(M, b),  S' = S exp(M - M') + exp(b - M'),
+    out_acc <- (S exp(M - M') / S') * out_acc + (exp(b - M') / S') * o_blk
 
 so per element the kernel reads the accumulator once and writes it once, and nothing else runs
-over the outputs. Rows where both lse are -inf keep ``out_acc`` (0 for a fresh accumulator).
+over the outputs or the lse. Keeping (M, S) instead of an fp32 lse rounds the lse once, when the
+ring ends (``lse = M + log S``, :func:`.merge.planes_lse`), instead of once per block: the ring's lse
+error is then a weighted mean of the blocks' (at P = 32 the per-block fp32 logaddexp came to 1.3x
+one full call's error on the H200; a float64 running lse, one small kernel per block, to 0.6x).
+Rows whose M stays -inf keep ``out_acc`` (0 for a fresh accumulator) and (M, S) = (-inf, 0).
 
-Contract (checked on the host): the lse lives in ``planes (b, h, 2, s_q)`` float32 (views with
-last-dim stride 1, e.g. the rows ``[q0, q1)`` of a rank's ``(b, h, 2, S)`` buffer): plane 0 is
-the running lse the weights use (read only by the kernel), plane 1 receives the block's lse. The
-kernel gets plane 0 as FA4's ``mLSE`` and finds plane 1 one plane stride further, which is half
-of ``mLSE``'s head stride; so the planes' head stride must be exactly twice their plane stride.
-After the kernel :func:`fa4_forward_merge_` updates plane 0 to ``logaddexp(plane 0, plane 1)``
-(a few bytes a row). ``out_acc (b, s_q, h, d)`` float32 (strided views allowed, 16-byte aligned).
-The block's lse stays in plane 1 for a float64 running lse (the executor's ``ExactLse``).
+Contract (checked on the host): ``planes (b, h, 2, s_q)`` float32 (views with last-dim stride 1,
+e.g. the rows ``[q0, q1)`` of a rank's ``(b, h, 2, S)`` buffer): plane 0 is M, plane 1 is S
+(start: -inf and 0). The kernel gets plane 0 as FA4's ``mLSE`` and finds plane 1 one plane stride
+further, which is half of ``mLSE``'s head stride; so the planes' head stride must be exactly
+twice their plane stride. ``out_acc (b, s_q, h, d)`` float32 (strided views allowed, 16-byte
+aligned). :func:`.merge.merge_planes_` is the torch version (the oracle and the fallback).
 
-Within a row every thread reads plane 0 and the one holding column 0 writes plane 1, so no row's
-running lse changes while the kernel reads it. sm90 only; on sm100 :func:`can_implement` is False.
+The threads holding a row are one quad of one warp (FA4's sm90 MMA splits rows over warp groups):
+they all read the row's (M, S), sync the warp, then the one holding column 0 writes the new pair.
+sm90 only; on sm100 :func:`can_implement` is False.
 """
 
 from __future__ import annotations
@@ -56,28 +60,42 @@ def _sm90_merge_class() -> type:
             # straight from registers to global memory (no smem, no barrier), as in the base class.
             assert not self.pack_gqa
             thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
-            # plane 0 (running lse) is mLSE; plane 1 (block lse) lies half a head stride further
+            # plane 0 (the running max M) is mLSE; plane 1 (the running sum S) lies half a head
+            # stride further
             tOgRun, gRun = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
             bcast = cute.append(gRun.layout, cute.make_layout((self.tile_hdimv,), stride=(0,)))
-            gBlk = cute.make_tensor(gRun.iterator + mLSE.stride[1] // 2, bcast)
-            tOgBlk = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gBlk))
+            gSum = cute.make_tensor(gRun.iterator + mLSE.stride[1] // 2, bcast)
+            tOgSum = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gSum))
             assert cute.size(tOgRun, mode=[0]) == cute.size(lse)
             w_acc = cute.make_rmem_tensor_like(lse, Float32)
             w_blk = cute.make_rmem_tensor_like(lse, Float32)
+            new_m = cute.make_rmem_tensor_like(lse, Float32)
+            new_s = cute.make_rmem_tensor_like(lse, Float32)
             for m in cutlass.range_constexpr(cute.size(lse)):
-                w_acc[m] = Float32(0.0)
+                w_acc[m] = Float32(1.0)  # a row whose M stays -inf keeps out_acc
                 w_blk[m] = Float32(0.0)
+                new_m[m] = -Float32.inf
+                new_s[m] = Float32(0.0)
                 if t0OcO[m, 0][0] < rows_left:
-                    run = Float32(tOgRun[m, 0])
-                    top = cute.arch.fmax(run, lse[m])
+                    run_m, run_s = Float32(tOgRun[m, 0]), Float32(tOgSum[m, 0])
+                    top = cute.arch.fmax(run_m, lse[m])
                     if top != -Float32.inf:
-                        e_acc = cute.math.exp2((run - top) * log2_e)
+                        s_acc = run_s * cute.math.exp2((run_m - top) * log2_e)
                         e_blk = cute.math.exp2((lse[m] - top) * log2_e)
-                        inv = Float32(1.0) / (e_acc + e_blk)
-                        w_acc[m] = e_acc * inv
+                        total = s_acc + e_blk  # >= 1: the larger side's own term is exp(0)
+                        inv = Float32(1.0) / total
+                        w_acc[m] = s_acc * inv
                         w_blk[m] = e_blk * inv
-                    if tOcO[0][1] == 0:  # one thread per row stores the block's lse
-                        tOgBlk[m, 0] = lse[m]
+                        new_m[m] = top
+                        new_s[m] = total
+            # every thread of a row (one quad of one warp) has read (M, S) before one writes them
+            cute.arch.sync_warp()
+            if tOcO[0][1] == 0:
+                for m in cutlass.range_constexpr(cute.size(lse)):
+                    if t0OcO[m, 0][0] < rows_left:
+                        if new_m[m] != -Float32.inf:
+                            tOgRun[m, 0] = new_m[m]
+                            tOgSum[m, 0] = new_s[m]
             tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
             tOrO = layout_utils.reshape_acc_to_mn(acc_O)
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
@@ -117,19 +135,11 @@ def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_ac
                        planes: torch.Tensor, *, causal: bool, softmax_scale: float,
                        window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0) -> torch.Tensor:
     """Attention of ``q (b, s_q, h, d)`` over ``k, v (b, s_k, h_kv, d)`` (fp16 / bf16; masks as in
-    :func:`.fa4_fp32.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the lse
-    ``planes (b, h, 2, s_q)`` float32 in place (see the module doc). Returns plane 1, the block's lse
-    ``(b, h, s_q)``."""
+    :func:`.fa4_fp32.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the
+    running ``planes (b, h, 2, s_q)`` float32 (M, S) in place (see the module doc). Returns
+    ``planes``."""
     from .fa4_fp32 import _forward
 
     check_planes(planes, q)
-    run, blk = planes[:, :, 0], planes[:, :, 1]
-    key = _forward(q, k, v, causal, softmax_scale, window, softcap, out_acc, run, None, merge=True)[2]
-    if key is None:  # nothing ran (no rows, or no keys: the block adds nothing)
-        blk.fill_(-math.inf)
-        return blk
-    from flash_attn.cute.testing import is_fake_mode
-
-    if not is_fake_mode():
-        torch.logaddexp(run, blk, out=run)
-    return blk
+    _forward(q, k, v, causal, softmax_scale, window, softcap, out_acc, planes[:, :, 0], None, merge=True)
+    return planes  # a block that ran nothing (no rows, or no keys) adds nothing

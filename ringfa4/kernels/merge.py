@@ -13,6 +13,11 @@ accumulator at -inf.) All arguments may be views (e.g. one zigzag half of the ac
 tensors ``out (t, h, d)``, ``lse (h, t)`` work too. On CUDA a fused kernel does it in
 one pass: ours in CuTe DSL (:mod:`.cute_merge`), else Triton (:mod:`.merge_triton`);
 ``RINGFA4_MERGE=cute|triton|torch`` forces one (``auto``: the first that takes the call).
+
+The planes form (:func:`merge_planes_`) keeps the running lse as ``planes (b, h, 2, s)`` float32:
+plane 0 is M (the largest block lse so far), plane 1 is S = sum_i exp(lse_i - M), so
+lse = M + log S (:func:`planes_lse`) is rounded once at the end instead of once per merge. It is
+what FA4's merging epilogue (:mod:`.fa4_merge`) does; this is its torch version.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 from .cute_merge import cute_merge_available, merge_lse_cute_
 from .merge_triton import merge_lse_triton_, triton_merge_available
 
-__all__ = ["MERGE_IMPLS", "merge_lse", "merge_lse_", "merge_lse_torch_"]
+__all__ = ["MERGE_IMPLS", "fresh_planes", "merge_lse", "merge_lse_", "merge_lse_torch_", "merge_planes_",
+           "planes_lse"]
 
 MERGE_IMPLS = ("auto", "cute", "triton", "torch")
 
@@ -86,3 +92,42 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
     lse = lse_a.to(torch.promote_types(lse_a.dtype, lse_b.dtype), copy=True)
     merge_lse_(out, lse, out_b, lse_b)
     return out, lse
+
+
+def fresh_planes(b: int, h: int, s: int, device: torch.device) -> torch.Tensor:
+    """An empty running lse in the planes form: ``(b, h, 2, s)`` float32, M = -inf, S = 0."""
+    planes = torch.empty(b, h, 2, s, dtype=torch.float32, device=device)
+    planes[:, :, 0] = -math.inf
+    planes[:, :, 1] = 0.0
+    return planes
+
+
+def merge_planes_(out_acc: torch.Tensor, planes: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """Merge ``(out_blk (b, s, h, d), lse_blk (b, h, s))`` into ``out_acc (b, s, h, d)`` float32 and
+    the running ``planes (b, h, 2, s)`` float32 (M, S) in place (torch; any device):
+    ``M' = max(M, b)``, ``S' = S exp(M - M') + exp(b - M')``, ``out_acc <- (S exp(M - M') / S') out_acc
+    + (exp(b - M') / S') out_blk``; rows where M' is -inf are left as they are."""
+    _check(out_acc, planes[:, :, 0], out_blk, lse_blk)
+    m, s = planes[:, :, 0], planes[:, :, 1]
+    top = torch.maximum(m, lse_blk.to(m.dtype))
+    live = top != -math.inf
+    safe = torch.where(live, top, torch.zeros_like(top))
+    s_acc = torch.where(live, s * torch.exp(m - safe), torch.zeros_like(s))
+    e_blk = torch.where(live, torch.exp(lse_blk.to(m.dtype) - safe), torch.zeros_like(s))
+    total = s_acc + e_blk
+    inv = torch.where(live, 1.0 / torch.where(live, total, torch.ones_like(total)), torch.zeros_like(total))
+    keep = torch.where(live, s_acc * inv, torch.ones_like(s))
+    out_acc.mul_(_to_rows(keep).to(out_acc.dtype))
+    out_acc.add_(out_blk.to(out_acc.dtype) * _to_rows(e_blk * inv).to(out_acc.dtype))
+    m.copy_(top)
+    s.copy_(torch.where(live, total, s))
+
+
+def planes_lse(planes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``M + log S`` of running ``planes (b, h, 2, s)`` as the lse ``(b, h, s)`` float32 (-inf where
+    M is -inf), into ``out`` when given."""
+    m, s = planes[:, :, 0], planes[:, :, 1]
+    out = torch.empty_like(m) if out is None else out
+    torch.log(s, out=out)
+    out.add_(m)
+    return out

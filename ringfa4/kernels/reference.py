@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from .merge import merge_planes_
 from .spec import AttnSpec, band_mask
 from .validate import validate_block
 
@@ -147,6 +148,19 @@ class ReferenceBackend:
             lse.copy_(l)
             l = lse
         return o, l
+
+    def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                      out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
+        """What FA4's merging forward does (:mod:`.fa4_merge`), in torch: this block's attention,
+        not rounded to q's dtype, merged into ``out_acc (b, s_q, h, d)`` float32 and the running
+        (M, S) ``planes (b, h, 2, s_q)`` float32 in place (:func:`.merge.merge_planes_`). Returns
+        ``planes``; None (touching nothing) for varlen blocks or accumulators that are not float32."""
+        if spec.varlen or q.dim() != 4 or out_acc.dtype != torch.float32 or planes.dtype != torch.float32:
+            return None
+        validate_block(q, k, v, spec)
+        o, l = self._forward_dense(q, k, v, spec)
+        merge_planes_(out_acc, planes, o, l)
+        return planes
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import merge_lse_
+from ..kernels.merge import merge_planes_
 from .memo import cached_method
 
 __all__ = ["Block", "band_block", "coalesce", "copy_unless_there", "global_band"]
@@ -58,6 +59,10 @@ class Block:
 
     def merge(self, out_acc, lse_acc, o, l) -> None:
         merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
+
+    def merge_planes(self, out_acc, planes, o, l) -> None:
+        """Merge the block's result into its rows of ``out_acc`` and the running (M, S) ``planes``."""
+        merge_planes_(out_acc[:, self.q0:self.q1], planes[..., self.q0:self.q1], o, l)
 
     def add_lse(self, lse_exact, l) -> None:
         """``lse_exact`` (float64) rows of this block ``<- logaddexp(them, l)``."""

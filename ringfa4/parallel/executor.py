@@ -23,6 +23,7 @@ import torch
 
 from ..kernels import AttnSpec, BlockBackend
 from ..kernels.cute_combine import combine_lse_
+from ..kernels.merge import fresh_planes, planes_lse
 from .grad_sinks import grad_sink
 from .ring import RingSchedule
 from .ring_buffers import KVBuffers, KVRing, acc_dtype, cap_of, lse_shape, rows_of
@@ -142,11 +143,12 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
     bufs = KVBuffers(ks[0], vs[0], cap_of(run, ks[0]))
     kv = KVRing(run, bufs, ks, vs)
-    outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
-    lses = [torch.full(lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
     fused = run.epilogue_merge and run.fp32_partials and getattr(run.backend, "forward_merge", None) is not None \
         and acc != q0.dtype and q0.dim() == 4 and not run.slots
+    outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
+    lses = [torch.empty(lse_shape(q), dtype=lse_dtype, device=q.device) if fused  # written by finish
+            else torch.full(lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     merge = (_EpilogueMerge if fused else _SlotCombine if run.slots else _StepMerge)(
         qs, outs, lses, dv, lse_dtype, run.slots, part)
     steps, world = run.active_steps, run.schedule.world_size
@@ -228,24 +230,25 @@ class _StepMerge(_Merge):
 
 class _EpilogueMerge(_StepMerge):
     """Each block merges into the fp32 accumulator inside the attention kernel (the backend's
-    ``forward_merge``): per rank the lse lives in ``(b, h, 2, s)`` planes, the running fp32 lse the
-    kernel weighs with and the block's lse, which also feeds :class:`ExactLse`. A block the backend
-    declines (returns None) runs as in :class:`_StepMerge`, into the same running lse (its output
-    scratch is only made then)."""
+    ``forward_merge``): per rank the running lse lives in ``(b, h, 2, s)`` planes (M, S), with
+    lse = M + log S taken once in ``finish`` (:func:`~ringfa4.kernels.merge.merge_planes_`). A block
+    the backend declines (returns None) runs into a scratch and merges into the same planes in
+    torch."""
 
-    def __init__(self, qs, outs, lses, dv, lse_dtype, slots, part_dtype) -> None:
-        super().__init__(qs, outs, lses, dv, lse_dtype, slots, part_dtype)
-        self.planes = [torch.full((q.shape[0], q.shape[2], 2, q.shape[1]), -math.inf, dtype=torch.float32,
-                                  device=q.device) for q in qs]
-        self.lses = [p[:, :, 0] for p in self.planes]  # the running lse (ExactLse writes the final ``lses``)
-        self.fresh = [False] * len(qs)  # the accumulator starts at out = 0, lse = -inf: always merge
+    def __init__(self, qs, outs, lses, dv, lse_dtype, _slots, part_dtype) -> None:
+        self.outs, self.lses, self.qs = outs, lses, qs
+        self.dv, self.dtypes = dv, (lse_dtype, part_dtype)
+        self.by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # declined blocks' scratch
+        self.planes = [fresh_planes(q.shape[0], q.shape[2], q.shape[1], q.device) for q in qs]
 
     def block(self, run: RingRun, i: int, blk, q, k, v, rows: int) -> None:
-        l = blk.forward_merge(run.backend, q, k, v, run.spec, self.outs[i], self.planes[i])
-        if l is None:
-            super().block(run, i, blk, q, k, v, rows)
-        else:
-            self.exact.add(i, blk, l)
+        if blk.forward_merge(run.backend, q, k, v, run.spec, self.outs[i], self.planes[i]) is None:
+            o, l = blk.forward(run.backend, q, k, v, run.spec, *self.target(i))
+            blk.merge_planes(self.outs[i], self.planes[i], o, l)
+
+    def finish(self) -> None:
+        for lse, planes in zip(self.lses, self.planes):
+            planes_lse(planes, out=lse)
 
 
 class _SlotCombine(_Merge):

@@ -10,7 +10,8 @@ readers of ``recv`` have finished.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL or gloo), with a timeout.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
-  communication stream with the same events (the simulated executor). ``poison`` fills receive
+  communication stream with the same events (the simulated executor), on the copy engines
+  (:mod:`.copy_engine`), as an NVLink hop runs beside the kernels. ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
 """
@@ -22,6 +23,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .copy_engine import engine_copy_, loopback_copy
 
 __all__ = ["LoopbackTransport", "P2PTransport", "Transport"]
 
@@ -94,8 +97,11 @@ class LoopbackTransport(Transport):
         with torch.cuda.stream(stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            if loopback_copy() == "engine":
+                engine_copy_(pairs, stream)
+            else:
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return _Handle(event=event)
