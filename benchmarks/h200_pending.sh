@@ -13,6 +13,7 @@
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
 #   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
 #   planes    the merging epilogue keeps the running lse as (M, S) planes: GPU tests, precision, ring_sim, profile
+#   gaps      where the compute stream idles (waiting for hops or not), forward and forward+backward (~4 min)
 #   engine    hops on the copy engines (RINGFA4_LOOPBACK_COPY): GPU tests, hop_overlap, ring_sim engine vs torch (~5 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -102,6 +103,16 @@ case "${1:-}" in
     done
     python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
       --forward-only --out "$out/ring_profile_64k_p8_fwd_planes.json" 2>&1 | grep -E "^\||^host" | head -14
+    ;;
+  gaps)
+    for c in engine torch; do
+      echo "== forward, RINGFA4_LOOPBACK_COPY=$c"
+      RINGFA4_LOOPBACK_COPY=$c python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+        --forward-only --out "$out/ring_profile_64k_p8_fwd_gaps_$c.json" 2>&1 | grep -E "^\||^host|^compute" | head -9
+    done
+    echo "== forward+backward"
+    python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+      --out "$out/ring_profile_64k_p8_gaps.json" 2>&1 | grep -E "^\||^host|^compute" | head -16
     ;;
   engine)
     python3 -m pytest -m gpu -q tests/test_ring_gpu.py tests/test_copy_engine.py -k "poison or engine" 2>&1 \
