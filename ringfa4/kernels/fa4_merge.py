@@ -27,7 +27,9 @@ aligned). :func:`.merge.merge_planes_` is the torch version (the oracle and the 
 
 The threads holding a row are one quad of one warp (FA4's sm90 MMA splits rows over warp groups):
 they all read the row's (M, S), sync the warp, then the one holding column 0 writes the new pair.
-sm90 only; on sm100 :func:`can_implement` is False.
+sm90 only; on sm100 :func:`can_implement` is False: FA4's sm100 correction loop computes the block's
+lse after its ``correction_epilogue``, which gets only 1 / row_sum, so a merge there would have to
+replace that loop (FA4's code); the ring there runs the fp32 forward and :mod:`.cute_merge`.
 """
 
 from __future__ import annotations
