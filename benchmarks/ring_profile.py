@@ -87,18 +87,19 @@ def run(args, device):
         top.append((t, e.key[:90], grp, e.count // args.reps))
     top.sort(reverse=True)
     busy = sum(totals.values())
-    gaps = _compute_gaps(prof) if use_cuda else None
+    gaps = _compute_gaps(prof, args.reps) if use_cuda else None
     return {"seq": S, "world": args.world, "packed": args.packed, "backward": args.backward, "wall_ms": wall * 1e3,
             "host_enqueue_ms": host, "compute_stream_gaps": gaps,
             "busy_ms": busy, "busy_share": busy / (wall * 1e3), "groups_ms": totals,
             "top": [{"ms": t, "name": n, "group": gname, "calls": c} for t, n, gname, c in top[:25]]}
 
 
-def _compute_gaps(prof, min_us: float = 5.0) -> dict:
-    """Idle time of the compute stream (the one with the most kernel time) in the last profiled
-    step, from the trace: ``idle_ms`` between its first and last kernel, split into gaps that end
-    within 15 us of a copy ending on another stream (waiting for a hop: ``after_copy_ms``) and the
-    rest (launch gaps, host waits); gaps shorter than ``min_us`` are counted separately."""
+def _compute_gaps(prof, reps: int, min_us: float = 5.0) -> dict:
+    """Idle time of the compute stream (the one with the most kernel time) between its first and
+    last kernel of the profiled steps, per step (``reps`` of them, back to back): ``idle_ms`` split
+    into gaps that end within 15 us of a copy ending on another stream (waiting for a hop:
+    ``after_copy_ms``) and the rest (launch gaps, host waits); gaps shorter than ``min_us`` are
+    counted separately."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -111,9 +112,6 @@ def _compute_gaps(prof, min_us: float = 5.0) -> dict:
     main = max((st for st in by_stream if any(e["cat"] == "kernel" for e in by_stream[st])),
                key=lambda st: sum(e["dur"] for e in by_stream[st] if e["cat"] == "kernel"))
     kern = sorted(by_stream[main], key=lambda e: e["ts"])
-    # the last step: after the longest idle stretch (the benchmark's sync between steps)
-    cut = max(range(1, len(kern)), key=lambda i: kern[i]["ts"] - kern[i - 1]["ts"] - kern[i - 1]["dur"])
-    kern = kern[cut:]
     copies = sorted(e["ts"] + e["dur"] for st, es in by_stream.items() if st != main for e in es
                     if e["cat"] == "gpu_memcpy")
     out = {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "after_copy_ms": 0.0, "other_ms": 0.0,
@@ -134,7 +132,7 @@ def _compute_gaps(prof, min_us: float = 5.0) -> dict:
                 out["gaps"] += 1
         end = max(end, e["ts"] + e["dur"])
     out["busy_ms"] = out["span_ms"] - out["idle_ms"]
-    return out
+    return {key: val / reps for key, val in out.items()} | {"steps": reps}
 
 
 def _host_enqueue_ms(step, sleep_cycles: int = 2_000_000_000) -> dict:
@@ -183,7 +181,7 @@ def main() -> None:
               f"{'waited on the GPU: a host sync inside' if h['synced'] else 'no host sync'})")
     if r["compute_stream_gaps"]:
         g = r["compute_stream_gaps"]
-        print(f"compute stream, last step: span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms: waiting for a "
+        print(f"compute stream, per step: span {g['span_ms']:.2f} ms, idle {g['idle_ms']:.2f} ms: waiting for a "
               f"hop {g['after_copy_ms']:.2f} ms ({g['after_copy_gaps']} gaps), other gaps {g['other_ms']:.2f} ms "
               f"({g['gaps']}), gaps < 5 us {g['short_ms']:.2f} ms")
     print("| group | ms | share of busy |")

@@ -10,8 +10,8 @@ readers of ``recv`` have finished.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL or gloo), with a timeout.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
-  communication stream with the same events (the simulated executor), on the copy engines
-  (:mod:`.copy_engine`), as an NVLink hop runs beside the kernels. ``poison`` fills receive
+  communication stream with the same events (the simulated executor), with the driver's hint to
+  run them on the copy engines (:mod:`.copy_engine`), as an NVLink hop runs beside the kernels. ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
 """
