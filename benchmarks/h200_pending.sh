@@ -13,6 +13,7 @@
 #             overlap, ring_sim at both levels (groups 2 vs 1), profile (~6 min)
 #   overlap   poisoned / delayed hop tests; hop_overlap: do the loopback copies hide behind FA4's kernels? (~2 min)
 #   planes    the merging epilogue keeps the running lse as (M, S) planes: GPU tests, precision, ring_sim, profile
+#   plan      after the backward's per-generation plans (kernels/fa4_bwd_plan.py): its sm90 GPU tests (~5 min)
 #   rest      the GPU tests that stage planes does not run, then ring_sim at the executor level (~8 min)
 #   gaps      where the compute stream idles (waiting for hops or not), forward and forward+backward (~4 min)
 #   engine    hops on the copy engines (RINGFA4_LOOPBACK_COPY): GPU tests, hop_overlap, ring_sim engine vs torch (~5 min)
@@ -104,6 +105,10 @@ case "${1:-}" in
     done
     python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
       --forward-only --out "$out/ring_profile_64k_p8_fwd_planes.json" 2>&1 | grep -E "^\||^host" | head -14
+    ;;
+  plan)
+    timeout 400 python3 -m pytest -m gpu -q tests/test_fa4_bwd_accum.py tests/test_ring_gpu.py \
+      -k "not epilogue and not hybrid and not poison" 2>&1 | grep -E "passed|failed|^E " | head -20
     ;;
   rest)
     timeout 420 python3 -m pytest -m gpu -q tests --ignore=tests/test_fa4_fp32.py --ignore=tests/test_ring_gpu.py \

@@ -3,8 +3,9 @@
 CPU (CI): prepare + accumulate + finish run under ``FakeTensorMode`` in a subprocess that targets
 sm_90a (this file run as a script), compiling FA4's preprocess, main kernel and dQ postprocess; the
 main kernel's PTX shows dK and dV leaving as fp32 reduce-adds (``cp.reduce.async.bulk ... add.f32``,
-one per warp group each, next to dQ's) and no TMA tensor store, for MHA too. sm100: not supported
-(can_implement is False, prepare raises).
+one per warp group each, next to dQ's) and no TMA tensor store, for MHA too. The same for sm_100a
+(FA4's sm100 kernel with its fp32 dK / dV path pinned on, 2-CTA clusters for d = 128; compiled only:
+no Blackwell GPU has run it).
 GPU (``-m gpu``, Hopper): ring-like blocks (q split unaligned to the tile, 4 kv blocks, causal /
 windows / softcap / GQA / s_q != s_k) accumulated into one state, against float64 attention and
 against per-block FA4 backward calls summed in fp32.
@@ -31,6 +32,13 @@ COMPILE_CASES = [
     ("mha_d64_softcap_causal", (2, 384, 384, 4, 4, 64), dict(causal=True, softcap=30.0)),
     ("mha_d192_full", (1, 200, 300, 2, 2, 192), dict(causal=False)),  # dKV_swapAB config
 ]
+SM100_CASES = [  # d = 128: 2-CTA clusters (kv rounded to tile pairs); d = 64 / 96: one CTA
+    ("mha_causal_unaligned_q", (2, 300, 200, 4, 4, 128), dict(causal=True, q0=100)),
+    ("gqa_window", (2, 384, 512, 8, 2, 128), dict(window=(96, 32), q0=64, q1=300)),
+    ("mha_d64_softcap_causal", (2, 384, 384, 4, 4, 64), dict(causal=True, softcap=30.0)),
+    ("mha_d96_full", (1, 200, 300, 2, 2, 96), dict(causal=False)),
+]
+CASES = {"sm_90a": COMPILE_CASES, "sm_100a": SM100_CASES}
 
 
 def _compile_cases(arch: str) -> list[dict]:
@@ -38,9 +46,10 @@ def _compile_cases(arch: str) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels import fa4_bwd_plan
 
     results = []
-    for name, (b, s_q, s_k, h, h_kv, d), kw in COMPILE_CASES:
+    for name, (b, s_q, s_k, h, h_kv, d), kw in CASES[arch]:
         t0 = time.perf_counter()
         kw = dict(kw)
         softcap = kw.pop("softcap", 0.0)
@@ -57,12 +66,16 @@ def _compile_cases(arch: str) -> list[dict]:
         ptx = acc._CACHE[key].__ptx__
         assert isinstance(ptx, str) and f".target {arch}" in ptx, (name, "no PTX for", arch)
         assert acc._CACHE[key].__cubin__, (name, "no cubin")
-        cfg = state.cfg
         adds = re.findall(r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32", ptx)
-        wg_dq = 1 if cfg.dQ_single_wg else cfg.num_wg
-        # dQ, dK, dV chunks per warp group (local: a second dK / dV epilogue adds the zeros of kv tiles no
-        # query sees)
-        assert len(adds) == wg_dq + 2 * cfg.num_wg * (2 if key.local else 1), (name, len(adds))
+        if arch == "sm_90a":
+            cfg = fa4_bwd_plan._sm90_config(d)
+            wg_dq = 1 if cfg.dQ_single_wg else cfg.num_wg
+            # dQ, dK, dV chunks per warp group (local: a second dK / dV epilogue adds the zeros of kv tiles
+            # no query sees)
+            assert len(adds) == wg_dq + 2 * cfg.num_wg * (2 if key.local else 1), (name, len(adds))
+        else:  # dQ's reduce-adds and at least one each for dK and dV (FA4's stock MHA kernel has none)
+            assert len(adds) >= 3, (name, len(adds))
+            assert state.plan.cluster_size == (2 if d >= 128 else 1), (name, state.plan)
         assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), (name, "TMA store of dK/dV")
         results.append(dict(name=name, seconds=round(time.perf_counter() - t0, 2), key=repr(key)))
     results.append(_compile_head_group())
@@ -99,22 +112,25 @@ def compile_run(tmp_path_factory):
 
     if not fa4_installed():
         pytest.skip("needs flash-attn-4 and nvidia-cutlass-dsl (pip install 'ringfa4[gpu]')")
-    tmp = tmp_path_factory.mktemp("fa4_bwd_accum")
-    result, log = tmp / "result.json", tmp / "log.txt"
-    env = dict(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
-               FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP="ptx,cubin",
-               CUTE_DSL_DUMP_DIR=str(tmp))
-    proc = cute_compile.start(__file__, ["sm_90a", str(result)], env, log)
-    yield proc, result, log
-    cute_compile.stop([proc])
+    runs = {}
+    for arch, (fa_arch, sms) in {"sm_90a": ("sm_90", "132"), "sm_100a": ("sm_100", "148")}.items():
+        tmp = tmp_path_factory.mktemp(f"fa4_bwd_accum_{arch}")
+        result, log = tmp / "result.json", tmp / "log.txt"
+        env = dict(FLASH_ATTENTION_ARCH=fa_arch, CUTE_DSL_ARCH=arch, FLASH_ATTENTION_NUM_SMS=sms,
+                   FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP="ptx,cubin",
+                   CUTE_DSL_DUMP_DIR=str(tmp))
+        runs[arch] = (cute_compile.start(__file__, [arch, str(result)], env, log), result, log)
+    yield runs
+    cute_compile.stop([proc for proc, _, _ in runs.values()])
 
 
-def test_bwd_accum_compiles_sm90(compile_run):
-    proc, result, log = compile_run
-    cute_compile.wait_ok(proc, log, "sm_90a", timeout=240)
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_bwd_accum_compiles(compile_run, arch):
+    proc, result, log = compile_run[arch]
+    cute_compile.wait_ok(proc, log, arch, timeout=300)
     results = json.loads(result.read_text())
-    assert [r["name"] for r in results] == [c[0] for c in COMPILE_CASES] + ["head_group_write"]
-    print("\nsm_90a: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
+    assert [r["name"] for r in results] == [c[0] for c in CASES[arch]] + ["head_group_write"]
+    print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
 
 
 def test_can_implement():
@@ -125,7 +141,10 @@ def test_can_implement():
     for d in (64, 96, 128, 192, 256):
         assert can_implement(90, torch.bfloat16, d), d
     assert can_implement(90, torch.float16, 128)
-    assert not can_implement(100, torch.bfloat16, 128)  # sm100 backward: not wired
+    for d in (64, 96, 128):
+        assert can_implement(100, torch.bfloat16, d), d
+    assert not can_implement(100, torch.bfloat16, 192)  # sm100: tile_hdim <= 128 (256: a kernel without dq_accum)
+    assert not can_implement(100, torch.bfloat16, 256)
     assert not can_implement(120, torch.bfloat16, 128)
     assert not can_implement(90, torch.float32, 128)
     assert not can_implement(90, torch.bfloat16, 192, 128)
@@ -143,8 +162,8 @@ def test_prepare_rejects(monkeypatch):
             acc.prepare(*args, softmax_scale=0.1, **kw)
     if importlib.util.find_spec("flash_attn") is None:
         return
-    monkeypatch.setattr(acc, "_arch", lambda: 100)
-    with pytest.raises(ValueError, match="sm100"):
+    monkeypatch.setattr(acc, "_arch", lambda: 120)
+    with pytest.raises(ValueError, match="sm120"):
         acc.prepare(q, q, q, lse, softmax_scale=0.1)
 
 

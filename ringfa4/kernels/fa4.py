@@ -196,7 +196,7 @@ class Fa4Backend:
                        spec: AttnSpec) -> _Fa4Accum | None:
         """FA4's backward with fp32 dq / dk / dv across a ring (``fa4_bwd_accum``: one preprocess,
         dq reduce-added into one fp32 accumulator, one postprocess); None where it cannot run
-        (not sm90, varlen, deterministic, head dims it does not cover)."""
+        (not sm90 / sm100, varlen, deterministic, head dims it does not cover)."""
         from . import fa4_bwd_accum as acc
 
         if spec.varlen or q.dim() != 4 or spec.deterministic or q.device.type != "cuda" or q.dtype not in _DTYPES:

@@ -10,14 +10,14 @@ bf16 block gradients. Here FA4's own compiled kernels are called directly:
   in FA4's layout (``s_q_r``: s_q rounded up to tile_m; ``d_r``: d rounded up to 32, 64 with
   dKV_swapAB). ``dq_accum`` is FA4-internal: per tile_m rows one tile of tile_m * d_r floats in the
   dQ MMA's register order, split per warp group.
-* :func:`accumulate` runs FA4's sm90 main kernel (``FlashAttentionBackwardSm90``) for one block:
+* :func:`accumulate` runs FA4's main kernel (``FlashAttentionBackwardSm90`` / ``Sm100``) for one block:
   dQ is reduce-added (``cp.reduce.async.bulk .add.f32``) into the state's ``dq_accum`` rows of the
   block, dK / dV are reduce-added into fp32 ``(b, h_kv, s_k_r * d_r)`` buffers (FA4's GQA layout,
   tile_n rows per tile, register order), which are then gathered into the caller's fp32
   ``(b, s_k, h_kv, d)`` accumulators. MHA: FA4 selects the fp32 dK/dV path only through
-  ``qhead_per_kvhead > 1`` (compile-time; ``dKV_swapAB`` merely changes the MMA orientation and
-  still stores bf16 through TMA), so :class:`_Sm90MhaAccum` is built with ``qhead_per_kvhead=2``
-  and hands the kernel's ``load`` / ``epilogue_dKV`` a kv-head divisor of 1.
+  ``qhead_per_kvhead > 1`` (sm90, compile-time) or an attribute set from it in ``__call__`` (sm100);
+  :mod:`.fa4_bwd_plan` builds the kernels that take that path for MHA too, and holds each
+  generation's tiles, roundings and postprocess arguments (:class:`~.fa4_bwd_plan.BwdPlan`).
 * :func:`finish` runs FA4's dQ postprocess once (bf16 / fp16 dq), or gathers fp32 dq.
 
 The tile orders are read from FA4's postprocess itself: run once per layout on a tile whose
@@ -25,23 +25,25 @@ entries encode their own index (base-256 digits, exact in 16-bit floats), the po
 where each (row, column) lives. A block's q range is widened down to a tile_m boundary with the
 extra rows (and rows past the block inside its last tile) given ``lse_log2 = +inf``: their P, and so
 their dS, dQ, dK, dV contributions, are exactly 0, and bottom-right causal / window alignment is
-unchanged. All blocks of a state share one tile configuration (FA4's causal sm90 config), so they
-agree on the dq_accum layout.
+unchanged. All blocks of a state share one tile configuration (on sm90 FA4's causal config), so
+they agree on the dq_accum layout.
 
-Supported: sm90 only, dense fp16 / bf16, ``d == d_v`` with d % 8 == 0 in [8, 256] where FA4's
-kernel and accumulator roundings of d agree, causal / windows / softcap, not deterministic.
-sm100: its backward picks 2-CTA tiles (cluster-padded kv), per-config accumulator tile orders and a
-dedicated hd256 kernel without ``dq_accum``; not wired here, :func:`can_implement` is False.
+Supported: dense fp16 / bf16, ``d == d_v``, causal / windows / softcap, not deterministic; sm90:
+d % 8 == 0 in [8, 256] where FA4's kernel and accumulator roundings of d agree; sm100: d % 8 == 0
+up to 128 (2-CTA clusters from 128: kv accumulators and block starts in tile pairs). The sm100
+kernels compile in CI but have not run on a Blackwell GPU: the ring uses them there only with
+``RINGFA4_FP32_GRADS=1`` (see :func:`~ringfa4.parallel.executor.fp32_grads`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .fa4_bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
 
 __all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
            "can_implement", "finish", "prepare"]
@@ -73,51 +75,9 @@ def _rup(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-@functools.cache
-def _config(head_dim: int) -> Any:
-    """FA4's sm90 BwdConfig for this head_dim, its causal variant for every block of a state."""
-    from flash_attn.cute import interface
-
-    return interface._tile_size_bwd_sm90(head_dim, head_dim, True, False)
-
-
-def _hdim_rounding(cfg: Any) -> int:
-    return 64 if cfg.dKV_swapAB else 32  # interface._flash_attn_bwd's accumulator rounding
-
-
 def can_implement(arch: int, dtype: torch.dtype, head_dim: int, head_dim_v: int | None = None) -> bool:
     """Whether prepare / accumulate / finish run for this arch (FA4 number: 90, 100...) and shape."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    if arch // 10 != 9 or dtype not in _DTYPES or head_dim != head_dim_v:
-        return False
-    if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
-        return False
-    cfg = _config(head_dim)
-    kernel_round = 64 if cfg.dKV_swapAB else 16  # FlashAttentionBackwardSm90.tile_hdim
-    return _rup(head_dim, kernel_round) == _rup(head_dim, _hdim_rounding(cfg)) and cfg.num_wg == 2
-
-
-@functools.cache
-def _mha_class() -> type:
-    """FlashAttentionBackwardSm90 on its GQA (fp32 dK/dV accumulator) path with one q head per kv
-    head: built with qhead_per_kvhead=2, while the kernel's kv-head divisor is 1."""
-    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
-
-    def kv_head_is_q_head(method):
-        sig = inspect.signature(method)
-
-        def wrapper(self, *args, **kwargs):
-            bound = sig.bind(self, *args, **kwargs)
-            bound.arguments["qhead_per_kvhead_divmod"] = 1  # head_idx // 1 at trace time
-            return method(*bound.args, **bound.kwargs)
-
-        return functools.wraps(method)(wrapper)
-
-    class _Sm90MhaAccum(FlashAttentionBackwardSm90):
-        load = kv_head_is_q_head(FlashAttentionBackwardSm90.load)
-        epilogue_dKV = kv_head_is_q_head(FlashAttentionBackwardSm90.epilogue_dKV)
-
-    return _Sm90MhaAccum
+    return supported(arch, dtype, head_dim, head_dim if head_dim_v is None else head_dim_v)
 
 
 @dataclass
@@ -136,12 +96,12 @@ class BwdAccumState:
     scratch: dict = field(default_factory=dict)  # fp32 dK / dV accumulators by shape, reused
 
     @property
-    def cfg(self) -> Any:
-        return _config(self.q.shape[-1])
+    def plan(self) -> BwdPlan:
+        return plan(self.arch, self.q.shape[-1])
 
     @property
     def head_dim_rounded(self) -> int:
-        return _rup(self.q.shape[-1], _hdim_rounding(self.cfg))
+        return self.plan.head_dim_rounded
 
     def heads(self, h0: int, h1: int) -> BwdAccumState:
         """The state of q heads ``[h0, h1)`` alone: views of this one's tensors (dQ still adds into
@@ -191,39 +151,20 @@ def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
     from flash_attn.cute.testing import is_fake_mode
 
     q, out, dout, lse = (maybe_contiguous(t) for t in (q, out.to(q.dtype), dout.to(q.dtype), lse))
-    cfg = _config(d)
-    d_r, s_r = _rup(d, _hdim_rounding(cfg)), _rup(max(s_q, 1), cfg.m_block_size)
+    p = plan(arch, d)
+    d_r, s_r = p.head_dim_rounded, _rup(max(s_q, 1), p.tile_m)
     f32 = dict(dtype=torch.float32, device=q.device)
     state = BwdAccumState(arch, q, dout, float(softmax_scale), float(softcap) if softcap else None,
                           torch.empty(b, h, s_r * d_r, **f32), torch.empty(b, h, s_r, **f32),
                           torch.empty(b, h, s_r, **f32))
     if s_q and b:
         interface._bwd_preprocess(out, dout, state.dpsum, lse, state.lse_log2, state.dq_accum, None, None,
-                                  None, interface.torch2cute_dtype_map[q.dtype], d, d, cfg.m_block_size,
-                                  fake_mode=is_fake_mode(), hdim_multiple_of=_hdim_rounding(cfg))
+                                  None, interface.torch2cute_dtype_map[q.dtype], d, d, p.tile_m,
+                                  fake_mode=is_fake_mode(), hdim_multiple_of=p.d_round)
     return state
 
 
 _CACHE: dict[AccumKey, Any] = {}
-
-
-def _make_kernel(key: AccumKey) -> Any:
-    from flash_attn.cute import utils
-    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
-    from flash_attn.cute.interface import torch2cute_dtype_map
-
-    cfg = _config(key.head_dim)
-    cls = FlashAttentionBackwardSm90 if key.qhead_per_kvhead > 1 else _mha_class()
-    softcap = key.softcap
-    return cls(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, max(2, key.qhead_per_kvhead),
-               key.causal, is_local=key.local, deterministic=False, tile_m=cfg.m_block_size,
-               tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
-               PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
-               dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
-               AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
-               score_mod=utils.create_softcap_scoremod(softcap) if softcap else None,
-               score_mod_bwd=utils.create_softcap_scoremod_bwd(softcap) if softcap else None,
-               mask_mod=None, has_aux_tensors=False, q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
 
 
 def _args(tensors: list, scale: float, wl, wr) -> list:
@@ -242,7 +183,7 @@ def _compile(key: AccumKey, tensors: list, scale: float, wl, wr) -> Any:
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     args = _args([to_cute_tensor(t) for t in tensors], scale, wl, wr)
-    return cute.compile(_make_kernel(key), *args, stream, options="--enable-tvm-ffi")
+    return cute.compile(make_kernel(plan(key.arch, key.head_dim), key), *args, stream, options="--enable-tvm-ffi")
 
 
 def _scratch(state: BwdAccumState, shape: tuple, device, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +218,7 @@ def accumulate(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_acc: t
     from flash_attn.cute.testing import is_fake_mode
 
     fake = is_fake_mode()
-    dk_buf, dv_buf = _scratch(state, (b, h_kv, _rup(s_k, state.cfg.n_block_size) * state.head_dim_rounded),
+    dk_buf, dv_buf = _scratch(state, (b, h_kv, _rup(s_k, state.plan.kv_align) * state.head_dim_rounded),
                               state.q.device, fake)
     key = accumulate_tiles(state, k, v, dk_buf, dv_buf, q0=q0, q1=q1, causal=causal, window=window)
     if key is not None and not fake:
@@ -302,12 +243,12 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
         raise ValueError(f"need 0 <= q0 <= q1 <= {s_q}, got q0={q0}, q1={q1}")
     _check_kv(state, k, v)
     s_k, h_kv = k.shape[1], k.shape[2]
-    cfg, d_r = state.cfg, state.head_dim_rounded
-    tm, tn = cfg.m_block_size, cfg.n_block_size
+    p, d_r = state.plan, state.head_dim_rounded
+    tm, tn, kv_r = p.tile_m, p.tile_n, p.kv_align
     for name, t in (("dk_tiles", dk_tiles), ("dv_tiles", dv_tiles)):
-        if t.dim() != 3 or t.shape[:2] != (b, h_kv) or t.shape[2] < _rup(s_k, tn) * d_r or t.dtype != torch.float32 \
+        if t.dim() != 3 or t.shape[:2] != (b, h_kv) or t.shape[2] < _rup(s_k, kv_r) * d_r or t.dtype != torch.float32 \
                 or t.device != q_all.device or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be ({b}, {h_kv}, >= {_rup(s_k, tn) * d_r}) float32 on {q_all.device} "
+            raise ValueError(f"{name} must be ({b}, {h_kv}, >= {_rup(s_k, kv_r) * d_r}) float32 on {q_all.device} "
                              f"with last-dim stride 1, got {tuple(t.shape)} {t.dtype} on {t.device}, "
                              f"strides {t.stride()}")
     wl, wr = (None if w == -1 else w for w in window)
@@ -331,7 +272,7 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
             lse_log2[:, :, q0 - lo:n] = state.lse_log2[:, :, q0:q1]
     k, v = (maybe_contiguous(t) for t in (k, v))
     q, do = q_all.narrow(1, lo, n), state.dout.narrow(1, lo, n)
-    size = _rup(s_k, tn) * d_r
+    size = _rup(s_k, kv_r) * d_r
     tensors = [q, k, v, do, lse_log2, state.dpsum.narrow(2, lo, n_r),
                state.dq_accum.narrow(2, lo * d_r, n_r * d_r), dk_tiles.narrow(2, 0, size), dv_tiles.narrow(2, 0, size)]
     causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
@@ -357,7 +298,7 @@ class TileKVLayout:
 
     def __init__(self, state: BwdAccumState, k: torch.Tensor, cap: int) -> None:
         self.state = state
-        self.align = state.cfg.n_block_size
+        self.align = state.plan.kv_align
         self.b, self.h_kv = k.shape[0], k.shape[2]
         self.row_numel = state.head_dim_rounded
         self.length = _rup(max(cap, 1), self.align) * self.row_numel
@@ -397,38 +338,25 @@ class TileKVLayout:
 def _kv_postprocess(accum: torch.Tensor, out: torch.Tensor, state: BwdAccumState, scale: float) -> None:
     """``out (b, rows, h_kv, d)`` 16-bit <- ``scale *`` the FA4-layout fp32 accumulator ``(b, h_kv,
     >= rup(rows, tile_n) * d_r)``, through FA4's GQA dK / dV postprocess (as ``_flash_attn_bwd`` runs it)."""
-    from flash_attn.cute import interface
     from flash_attn.cute.testing import is_fake_mode
 
     if out.numel() == 0:
         return
-    cfg = state.cfg
-    interface._bwd_postprocess_convert(
-        accum, out, scale, None, None, state.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1],
-        cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, use_2cta_instrs=False,
-        cluster_size=1, fake_mode=is_fake_mode(), hdim_multiple_of=_hdim_rounding(cfg))
+    postprocess(state.plan, "dkv", accum, out, scale, fake_mode=is_fake_mode())
 
 
 @functools.cache
 def _tile_order(arch: int, dtype: torch.dtype, head_dim: int, kind: str, device: torch.device) -> torch.Tensor:
     """``(tile * d,)`` int64: flat offset in an FA4 accumulator tile of each (row, column < d) of
     the tile (row-major), as FA4's own postprocess reads the tile ("dq": dQ, "dkv": GQA dK / dV)."""
-    from flash_attn.cute import interface
-
-    cfg = _config(head_dim)
-    if kind == "dq":
-        tile, threads = cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128
-        atom, swap = cfg.AtomLayoutMdQ, cfg.dQ_swapAB
-    else:
-        tile, threads, atom, swap = cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB
-    size = tile * _rup(head_dim, _hdim_rounding(cfg))
+    p = plan(arch, head_dim)
+    tile = p.tile_m if kind == "dq" else p.tile_n
+    size = tile * p.head_dim_rounded
     assert size <= _BASE * _BASE, size
     idx = torch.arange(size, device=device)
     probe = torch.stack([idx % _BASE, idx // _BASE]).to(torch.float32).unsqueeze(1)  # (2 "batches", 1 head, size)
     out = torch.empty(2, tile, 1, head_dim, dtype=dtype, device=device)
-    interface._bwd_postprocess_convert(probe, out, 1.0, None, None, arch, interface.torch2cute_dtype_map[dtype],
-                                       head_dim, tile, threads, atom, swap, use_2cta_instrs=False, cluster_size=1,
-                                       fake_mode=False, hdim_multiple_of=_hdim_rounding(cfg))
+    postprocess(p, kind, probe, out, 1.0, fake_mode=False)
     order = (out[0, :, 0].long() + _BASE * out[1, :, 0].long()).flatten()
     if order.unique().numel() != order.numel():
         raise RuntimeError(f"FA4 postprocess probe gave no tile order for {kind} d={head_dim}")
@@ -454,7 +382,6 @@ def add_kv_accum_(dst: torch.Tensor, accum: torch.Tensor, state: BwdAccumState, 
 def finish(state: BwdAccumState, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """dq ``(b, s_q, h, d)`` in ``dtype`` (q's by default: FA4's dQ postprocess; float32: the
     accumulator gathered and scaled, which rounds to the former). ``out``: optional destination."""
-    from flash_attn.cute import interface
     from flash_attn.cute.testing import is_fake_mode
 
     q = state.q
@@ -471,10 +398,5 @@ def finish(state: BwdAccumState, dtype: torch.dtype | None = None, out: torch.Te
     dq = torch.empty_like(q) if out is None else out
     if q.numel() == 0:
         return dq.zero_()
-    cfg = state.cfg
-    interface._bwd_postprocess_convert(
-        state.dq_accum, dq, state.softmax_scale, None, None, state.arch, interface.torch2cute_dtype_map[q.dtype],
-        q.shape[-1], cfg.m_block_size, 128 if cfg.dQ_single_wg else cfg.num_wg * 128, cfg.AtomLayoutMdQ,
-        cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1, fake_mode=is_fake_mode(),
-        hdim_multiple_of=_hdim_rounding(cfg))
+    postprocess(state.plan, "dq", state.dq_accum, dq, state.softmax_scale, fake_mode=is_fake_mode())
     return dq

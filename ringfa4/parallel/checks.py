@@ -44,17 +44,17 @@ def _f64_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _switches() -> list[int]:
+def _switches(device: torch.device) -> list[int]:
     """The environment switches that decide what the ring backward sends (buffer count, sizes,
-    dtype): ranks that disagree would post mismatched hops."""
-    return [int(fp32_grads()), int(dkv_wire_fp32()), dkv_groups()]
+    dtype), as they resolve on ``device``: ranks that disagree would post mismatched hops."""
+    return [int(fp32_grads(device)), int(dkv_wire_fp32()), dkv_groups()]
 
 
 def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
     return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
             _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), getattr(layout, "ring", layout).chunks_per_rank,
-            getattr(layout, "ulysses", 1), packing, *_switches()]
+            getattr(layout, "ulysses", 1), packing, *_switches(q.device)]
 
 
 def _field_slices():

@@ -257,7 +257,7 @@ class ContextParallel:
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None))
         return RingRun(schedule, ranks, backend, base, self.transport, ring_slots(), fp32_partials(q.device),
-                       dkv_wire_fp32(), fp32_grads(), epilogue_merge(), dkv_groups())
+                       dkv_wire_fp32(), fp32_grads(q.device), epilogue_merge(), dkv_groups())
 
     # per-rank views for the simulated executor
     def _split(self, x: torch.Tensor, packing: Packing | None = None, dim: int | None = None) -> list[torch.Tensor]:

@@ -74,18 +74,21 @@ def fp32_partials(device: torch.device | None = None) -> bool:
     return raw == "1"
 
 
-def fp32_grads() -> bool:
-    """``RINGFA4_FP32_GRADS``: ``1`` (default) makes ring backwards keep every block's dq / dk / dv
-    in fp32 through the backend's ``begin_backward`` where it offers one for the call (FA4 on sm90:
+def fp32_grads(device: torch.device | None = None) -> bool:
+    """``RINGFA4_FP32_GRADS``: ``1`` makes ring backwards keep every block's dq / dk / dv in fp32
+    through the backend's ``begin_backward`` where it offers one for the call (FA4 on sm90 / sm100:
     its fp32 accumulators carried across steps, dK/dV in its tile layout, one pre- and postprocess
     per backward; reference: its compute dtype); with ``RINGFA4_DKV_WIRE=input`` each step's fp32
-    dK/dV is added into the travelling k-dtype buffer (one rounding a hop). ``0``: each block's
-    gradients come back in the inputs' dtype and are summed in fp32. On the H200 (64k, P = 8, MHA)
-    both cost the same; at P = 32 dq / dk / dv went from 1.13 / 1.22 / 1.22x to 1.00x one full
-    FA4 call's error."""
-    raw = os.environ.get("RINGFA4_FP32_GRADS", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"RINGFA4_FP32_GRADS must be 0 or 1, got {raw!r}")
+    dK/dV is added into the travelling k-dtype buffer (one rounding a hop). ``auto`` (default): the
+    same, except on CUDA devices newer than Hopper (FA4's sm100 accumulating backward compiles, but
+    has not run on a GPU yet). ``0``: each block's gradients come back in the inputs' dtype and are
+    summed in fp32. On the H200 (64k, P = 8, MHA) both cost the same; at P = 32 dq / dk / dv went
+    from 1.13 / 1.22 / 1.22x to 1.00x one full FA4 call's error."""
+    raw = os.environ.get("RINGFA4_FP32_GRADS", "auto")
+    if raw not in ("0", "1", "auto"):
+        raise ValueError(f"RINGFA4_FP32_GRADS must be 0, 1 or auto, got {raw!r}")
+    if raw == "auto":
+        return not (device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10)
     return raw == "1"
 
 
