@@ -232,7 +232,7 @@ def test_ring_accumulation_vs_float64(gpu, name, shape, kw):
     dv32 = torch.zeros_like(dk32)
     summed = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]  # bf16 block grads summed in fp32
     blocks = _blocks(s_q, s_k, causal, window)
-    assert any(blk.q0 % state.cfg.m_block_size for blk in blocks), "no block off the tile grid"
+    assert any(blk.q0 % state.plan.tile_m for blk in blocks), "no block off the tile grid"
     for blk in blocks:
         r, c = slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
         acc.accumulate(state, k[:, c], v[:, c], dk32[:, c], dv32[:, c], q0=blk.q0, q1=blk.q1, causal=blk.causal,
