@@ -348,6 +348,12 @@ def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
         assert e32 < e16, (name, e32, e16)
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
     assert all(torch.equal(a, b) for a, b in zip(grads(), bf16))
+    for auto in ("auto", None):  # the default: on, except on CUDA devices newer than Hopper
+        if auto is None:
+            monkeypatch.delenv("RINGFA4_FP32_GRADS")
+        else:
+            monkeypatch.setenv("RINGFA4_FP32_GRADS", auto)
+        assert all(torch.equal(a, b) for a, b in zip(grads(), fp32)), auto
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "yes")
     with pytest.raises(ValueError, match="RINGFA4_FP32_GRADS"):
         grads()
@@ -471,3 +477,20 @@ def test_dkv_on_the_wire_in_the_input_dtype(fp32_grads, monkeypatch):
     monkeypatch.setenv("RINGFA4_DKV_WIRE", "fp16")
     with pytest.raises(ValueError, match="RINGFA4_DKV_WIRE"):
         ringfa4.attention(q, k, v, cp=cp, causal=True)
+
+
+def test_fp32_grads_auto_leaves_out_newer_than_hopper(monkeypatch):
+    """RINGFA4_FP32_GRADS=auto (default): on for CPU and Hopper, off on sm100 (FA4's accumulating
+    backward is only compiled there), on again with 1."""
+    from ringfa4.parallel.executor import fp32_grads
+
+    monkeypatch.delenv("RINGFA4_FP32_GRADS", raising=False)
+    cap = {"now": (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["now"])
+    cuda = torch.device("cuda", 0)
+    assert fp32_grads(torch.device("cpu")) and fp32_grads() and not fp32_grads(cuda)
+    cap["now"] = (9, 0)
+    assert fp32_grads(cuda)
+    cap["now"] = (10, 0)
+    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
+    assert fp32_grads(cuda)
