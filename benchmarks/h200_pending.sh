@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs of the open issues, in stages that each fit one device call (< 10 min).
 # On the device, after `source .gpu/b/install.sh`:   bash benchmarks/h200_pending.sh STAGE
-# Still owed (2026-12-01): nccl (no multi-GPU kind was lent). Every other stage has run (results in
+# Still owed (2026-12-01): nccl (no multi-GPU kind was lent), blackwell (no sm100 GPU). Every other stage has run (results in
 # benchmarks/results, README); they stay as the way to re-run them.
 #   kernels   GPU tests: FA4 backward into fp32 accumulators (RINGFA4_FP32_GRADS), the ring on it, the
 #             CuTe combine, the fp32-output FA4 forward, offload, merge paths (~4 min)
@@ -18,6 +18,8 @@
 #   gaps      where the compute stream idles (waiting for hops or not), forward and forward+backward (~4 min)
 #   engine    hops on the copy engines (RINGFA4_LOOPBACK_COPY): GPU tests, hop_overlap, ring_sim engine vs torch (~5 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
+#   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
+#             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
 #             deterministic and default backward, and weak scaling vs PyTorch CP + cuDNN (~4 min)
 #   verify    the ring's fp32-gradient GPU tests alone (~2 min)
@@ -137,6 +139,12 @@ case "${1:-}" in
           --out "$out/ring_sim_64k_p8_copy_${c}_$lvl.json" 2>&1 | grep "^| 64k"
       done
     done
+    ;;
+  blackwell)
+    RINGFA4_FP32_GRADS=1 RINGFA4_FP32_PARTIALS=1 python3 -m pytest -m gpu -q tests/test_fa4_bwd_accum.py \
+      tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -30
+    RINGFA4_FP32_GRADS=1 RINGFA4_FP32_PARTIALS=1 python3 benchmarks/ring_precision.py --worlds 8,32 \
+      --out "$out/ring_precision_sm100.json" 2>&1 | tail -4
     ;;
   nccl)
     torchrun --standalone --nproc-per-node 2 benchmarks/ring_nccl.py --out "$out/ring_nccl.json" 2>&1 \
