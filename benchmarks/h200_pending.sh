@@ -18,6 +18,9 @@
 #   gaps      where the compute stream idles (waiting for hops or not), forward and forward+backward (~4 min)
 #   engine    hops on the copy engines (RINGFA4_LOOPBACK_COPY): GPU tests, hop_overlap, ring_sim engine vs torch (~5 min)
 #   nocopy    ring_sim executor level with hops that copy nothing once warm (attribution), then with copies (~2 min)
+#   hoist     the merging epilogue's loads all issued first and prefetched into L2 at the tile's start, the first
+#             block stored into an uninitialized accumulator: GPU tests, kernel costs per block shape (three
+#             builds), ring_sim executor with and without copies
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -90,6 +93,15 @@ case "${1:-}" in
   overlap)
     python3 -m pytest -m gpu -q tests/test_ring_gpu.py -k "poison" 2>&1 | grep -E "passed|failed|^E " | head -20
     python3 benchmarks/hop_overlap.py --out "$out/hop_overlap.json" 2>&1 | grep "^|"
+    ;;
+  hoist)
+    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
+      | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue.json" 2>&1 | grep "^|"
+    for hops in copy none; do
+      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
+        --out "$out/ring_sim_64k_p8_hoist_$hops.json" 2>&1 | grep "^| 64k"
+    done
     ;;
   nocopy)
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops none \

@@ -6,6 +6,8 @@ Criterion: error against float64 <= 2x the same backend's error on the full sequ
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from dist_pool import Pool
@@ -431,6 +433,39 @@ def test_epilogue_merge_executor(decline, monkeypatch):
     monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "2")
     with pytest.raises(ValueError, match="RINGFA4_EPILOGUE_MERGE"):
         run()
+
+
+@pytest.mark.parametrize("first_covers", [True, False])
+def test_epilogue_merge_uninitialized_accumulator(first_covers, monkeypatch):
+    """The epilogue-merge forward allocates its accumulator and (M, S) planes uninitialized: a rank's
+    first block that covers all its rows is stored into them (never read), otherwise they are
+    zeroed first. With every float ``torch.empty`` poisoned by NaN the results equal, bit for bit,
+    those of the same path unpoisoned, both when the first blocks are stored and when they merge
+    (``covers`` patched to False: a merge into (0, -inf, 0) gives the stored values exactly)."""
+    from ringfa4.parallel.blocks import Block
+
+    q, k, v, do = random_qkv(2, 96, 96, 4, 2, 16, dtype=torch.bfloat16, seed=6)
+    cp = ringfa4.ContextParallel.simulated(3, backend="reference")
+
+    def run():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ringfa4.attention(*x, cp=cp, causal=True, return_lse=True)
+        out.backward(do)
+        return [out, lse] + [t.grad for t in x]
+
+    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
+    clean = run()
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    if not first_covers:
+        monkeypatch.setattr(Block, "covers", lambda self, rows: False)
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, clean))
 
 
 def test_fp32_partials_default_auto(monkeypatch):

@@ -41,6 +41,14 @@ import torch
 
 __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 
+# The epilogue issues every global load (the rows' (M, S), the accumulator tile) before it computes
+# or stores anything; False: the accumulator row by row after the (M, S) writes, the first version.
+# Read when the class is built (benchmarks/fa4_merge_epilogue.py times both in one process).
+_HOIST_LOADS = True
+# At each tile's first kv block the accumulator rows and (M, S) its epilogue reads are prefetched
+# into L2 (see _prefetch_acc); switchable like _HOIST_LOADS.
+_PREFETCH_ACC = True
+
 
 @functools.cache
 def _sm90_merge_class() -> type:
@@ -55,6 +63,48 @@ def _sm90_merge_class() -> type:
     log2_e = math.log2(math.e)
 
     class _Sm90MergeOut(_sm90_class()):
+        def mma(self, tiled_mma_qk, tiled_mma_pv, mO, mLSE, *args):
+            # traced once per compile: what the tile-start prefetch needs (tidx: mma's 16th argument)
+            self._acc_args = (tiled_mma_pv, mO, mLSE, args[11])
+            return super().mma(tiled_mma_qk, tiled_mma_pv, mO, mLSE, *args)
+
+        def first_half_block_overlap(self, *args, **kwargs):
+            if kwargs.get("is_first_block", False):
+                self._prefetch_acc(kwargs.get("mask_fn"), kwargs.get("seqlen"))
+            return super().first_half_block_overlap(*args, **kwargs)
+
+        def mma_one_n_block(self, *args, **kwargs):
+            if kwargs.get("is_first_n_block", False):
+                self._prefetch_acc(kwargs.get("mask_fn"), kwargs.get("seqlen"))
+            return super().mma_one_n_block(*args, **kwargs)
+
+        def _prefetch_acc(self, mask_fn, seqlen):
+            """At a tile's first kv block: the rows of the accumulator and (M, S) that its epilogue
+            will read, prefetched into L2, so the epilogue's loads hit L2 instead of every CTA of a
+            wave reading HBM at once. The tile's coordinates come from FA4's mask partial (its
+            keywords); where they are missing (another FA4) nothing is prefetched."""
+            kw = getattr(mask_fn, "keywords", None) or {}
+            if const_expr(not _PREFETCH_ACC or self.check_hdim_v_oob or seqlen is None
+                          or any(k not in kw for k in ("m_block", "head_idx", "batch_idx"))):
+                return
+            self._prefetch_tile(*self._acc_args, seqlen, kw["m_block"], kw["head_idx"], kw["batch_idx"])
+
+        @cute.jit
+        def _prefetch_tile(self, tiled_mma, mO, mLSE, tidx, seqlen, m_block, head_idx, batch_idx):
+            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
+            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
+            tOgRun, gRun = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
+            if tOcO[0][1] == 0:  # the thread holding column 0 of its rows: whole rows, 128-byte lines
+                for m in cutlass.range_constexpr(cute.size(tOgO, mode=[0])):
+                    if t0OcO[m, 0][0] < rows_left:
+                        row = tOgO[m, None].iterator
+                        for c in cutlass.range_constexpr(0, self.tile_hdimv, 32):
+                            cute.arch.prefetch((row + c).llvm_ptr, cache_level="L2")
+                        cute.arch.prefetch((row + (self.tile_hdimv - 1)).llvm_ptr, cache_level="L2")
+                        run = tOgRun[m, None].iterator
+                        cute.arch.prefetch(run.llvm_ptr, cache_level="L2")
+                        cute.arch.prefetch((run + mLSE.stride[1] // 2).llvm_ptr, cache_level="L2")
+
         @cute.jit
         def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
                      tidx, m_block, head_idx, batch_idx):
@@ -69,6 +119,21 @@ def _sm90_merge_class() -> type:
             gSum = cute.make_tensor(gRun.iterator + mLSE.stride[1] // 2, bcast)
             tOgSum = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gSum))
             assert cute.size(tOgRun, mode=[0]) == cute.size(lse)
+            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
+            tOrO = layout_utils.reshape_acc_to_mn(acc_O)
+            run_m = cute.make_rmem_tensor_like(lse, Float32)
+            run_s = cute.make_rmem_tensor_like(lse, Float32)
+            prev = cute.make_rmem_tensor_like(tOrO, Float32)
+            # every load first (the rows' (M, S) and accumulator elements), so their latencies
+            # overlap: the stores below may alias them, so nothing after a store would be hoisted
+            for m in cutlass.range_constexpr(cute.size(lse)):
+                run_m[m] = -Float32.inf
+                run_s[m] = Float32(0.0)
+                if t0OcO[m, 0][0] < rows_left:
+                    run_m[m] = Float32(tOgRun[m, 0])
+                    run_s[m] = Float32(tOgSum[m, 0])
+                    if const_expr(_HOIST_LOADS and not self.check_hdim_v_oob):
+                        cute.autovec_copy(tOgO[m, None], prev[m, None])
             w_acc = cute.make_rmem_tensor_like(lse, Float32)
             w_blk = cute.make_rmem_tensor_like(lse, Float32)
             new_m = cute.make_rmem_tensor_like(lse, Float32)
@@ -78,18 +143,16 @@ def _sm90_merge_class() -> type:
                 w_blk[m] = Float32(0.0)
                 new_m[m] = -Float32.inf
                 new_s[m] = Float32(0.0)
-                if t0OcO[m, 0][0] < rows_left:
-                    run_m, run_s = Float32(tOgRun[m, 0]), Float32(tOgSum[m, 0])
-                    top = cute.arch.fmax(run_m, lse[m])
-                    if top != -Float32.inf:
-                        s_acc = run_s * cute.math.exp2((run_m - top) * log2_e)
-                        e_blk = cute.math.exp2((lse[m] - top) * log2_e)
-                        total = s_acc + e_blk  # >= 1: the larger side's own term is exp(0)
-                        inv = Float32(1.0) / total
-                        w_acc[m] = s_acc * inv
-                        w_blk[m] = e_blk * inv
-                        new_m[m] = top
-                        new_s[m] = total
+                top = cute.arch.fmax(run_m[m], lse[m])
+                if top != -Float32.inf:  # rows past the end have run_m = lse = -inf
+                    s_acc = run_s[m] * cute.math.exp2((run_m[m] - top) * log2_e)
+                    e_blk = cute.math.exp2((lse[m] - top) * log2_e)
+                    total = s_acc + e_blk  # >= 1: the larger side's own term is exp(0)
+                    inv = Float32(1.0) / total
+                    w_acc[m] = s_acc * inv
+                    w_blk[m] = e_blk * inv
+                    new_m[m] = top
+                    new_s[m] = total
             # every thread of a row (one quad of one warp) has read (M, S) before one writes them
             cute.arch.sync_warp()
             if tOcO[0][1] == 0:
@@ -98,16 +161,14 @@ def _sm90_merge_class() -> type:
                         if new_m[m] != -Float32.inf:
                             tOgRun[m, 0] = new_m[m]
                             tOgSum[m, 0] = new_s[m]
-            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
-            tOrO = layout_utils.reshape_acc_to_mn(acc_O)
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
                 if t0OcO[m, 0][0] < rows_left:
                     if const_expr(not self.check_hdim_v_oob):
-                        prev = cute.make_rmem_tensor_like(tOrO[m, None], Float32)
-                        cute.autovec_copy(tOgO[m, None], prev)
+                        if const_expr(not _HOIST_LOADS):
+                            cute.autovec_copy(tOgO[m, None], prev[m, None])
                         for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-                            prev[n] = w_acc[m] * prev[n] + w_blk[m] * tOrO[m, n]
-                        cute.autovec_copy(prev, tOgO[m, None])
+                            prev[m, n] = w_acc[m] * prev[m, n] + w_blk[m] * tOrO[m, n]
+                        cute.autovec_copy(prev[m, None], tOgO[m, None])
                     else:
                         for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                             if tOcO[m, n][1] < mO.shape[1]:

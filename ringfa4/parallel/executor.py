@@ -23,7 +23,7 @@ import torch
 
 from ..kernels import AttnSpec, BlockBackend
 from ..kernels.cute_combine import combine_lse_
-from ..kernels.merge import fresh_planes, planes_lse
+from ..kernels.merge import planes_lse
 from .grad_sinks import grad_sink
 from .ring import RingSchedule
 from .ring_buffers import KVBuffers, KVRing, acc_dtype, cap_of, lse_shape, rows_of
@@ -149,7 +149,8 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
     fused = run.epilogue_merge and run.fp32_partials and getattr(run.backend, "forward_merge", None) is not None \
         and acc != q0.dtype and q0.dim() == 4 and not run.slots
-    outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
+    outs = [torch.empty(q.shape[:-1] + (dv,), dtype=acc, device=q.device) if fused  # see _EpilogueMerge
+            else torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
     lses = [torch.empty(lse_shape(q), dtype=lse_dtype, device=q.device) if fused  # written by finish
             else torch.full(lse_shape(q), -math.inf, dtype=lse_dtype, device=q.device) for q in qs]
     merge = (_EpilogueMerge if fused else _SlotCombine if run.slots else _StepMerge)(
@@ -236,21 +237,45 @@ class _EpilogueMerge(_StepMerge):
     ``forward_merge``): per rank the running lse lives in ``(b, h, 2, s)`` planes (M, S), with
     lse = M + log S taken once in ``finish`` (:func:`~ringfa4.kernels.merge.merge_planes_`). A block
     the backend declines (returns None) runs into a scratch and merges into the same planes in
-    torch."""
+    torch.
+
+    The accumulator and planes start uninitialized: a rank whose first block covers all its rows
+    (every causal ring's step 0) stores that block's output and lse straight into them (M = lse,
+    S = 1, which a later merge weighs as exp(lse - M'), -inf rows included), so neither is zeroed
+    nor read back; otherwise they are zeroed (M = -inf, S = 0) before the first merge."""
 
     def __init__(self, qs, outs, lses, dv, lse_dtype, _slots, part_dtype) -> None:
         self.outs, self.lses, self.qs = outs, lses, qs
         self.dv, self.dtypes = dv, (lse_dtype, part_dtype)
         self.by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # declined blocks' scratch
-        self.planes = [fresh_planes(q.shape[0], q.shape[2], q.shape[1], q.device) for q in qs]
+        self.planes = [torch.empty(q.shape[0], q.shape[2], 2, q.shape[1], dtype=torch.float32, device=q.device)
+                       for q in qs]
+        self.fresh = [True] * len(qs)
+
+    def _start(self, i: int) -> None:
+        """Rank i's accumulator zeroed and its planes at (M, S) = (-inf, 0)."""
+        self.outs[i].zero_()
+        self.planes[i][:, :, 0] = -math.inf
+        self.planes[i][:, :, 1] = 0.0
+        self.fresh[i] = False
 
     def block(self, run: RingRun, i: int, blk, q, k, v, rows: int) -> None:
+        if self.fresh[i] and blk.covers(rows):
+            m = self.planes[i][:, :, 0]
+            blk.place(self.outs[i], m, *blk.forward(run.backend, q, k, v, run.spec, self.outs[i], m))
+            self.planes[i][:, :, 1] = 1.0
+            self.fresh[i] = False
+            return
+        if self.fresh[i]:
+            self._start(i)
         if blk.forward_merge(run.backend, q, k, v, run.spec, self.outs[i], self.planes[i]) is None:
             o, l = blk.forward(run.backend, q, k, v, run.spec, *self.target(i))
             blk.merge_planes(self.outs[i], self.planes[i], o, l)
 
     def finish(self) -> None:
-        for lse, planes in zip(self.lses, self.planes):
+        for i, (lse, planes) in enumerate(zip(self.lses, self.planes)):
+            if self.fresh[i]:  # a rank without blocks: out 0, lse -inf
+                self._start(i)
             planes_lse(planes, out=lse)
 
 
