@@ -1,10 +1,9 @@
 """What the ring's forward kernel costs over FA4's own, per block shape of a zigzag ring at 64k,
 P = 8 (h = 32, d = 128, bf16): FA4's forward (bf16 out, TMA store), our fp32-output forward
 (kernels/fa4_fp32.py: stores fp32 from registers), and the merging forward (kernels/fa4_merge.py)
-in three builds: ``inline`` (the first version: the accumulator read row by row after the (M, S)
-writes), ``hoisted`` (every load of the epilogue issued before any store) and ``hoisted +
-prefetch`` (the default: also the tile's accumulator rows and (M, S) prefetched into L2 at its
-first kv block). All in one process, rotating over 3 input sets; each merge runs into its own
+in two builds: ``inline`` (the first version: the accumulator read row by row after the (M, S)
+writes) and ``hoisted`` (the default: every load of the epilogue issued before any store). All
+in one process, rotating over 3 input sets; each merge runs into its own
 accumulator (planes initialized by one stored block).
 
     python benchmarks/fa4_merge_epilogue.py [--out bench_results/fa4_merge_epilogue.json]
@@ -41,9 +40,9 @@ def _sets(s_q: int, s_k: int, h: int, d: int, n: int = 3):
     return out
 
 
-def _use_build(hoist: bool, prefetch: bool) -> None:
+def _use_build(hoist: bool) -> None:
     """Rebuild the merging class as asked (the compile cache keeps no such key)."""
-    fa4_merge._HOIST_LOADS, fa4_merge._PREFETCH_ACC = hoist, prefetch
+    fa4_merge._HOIST_LOADS = hoist
     fa4_merge._sm90_merge_class.cache_clear()
     for key in [k for k in fa4_fp32._CACHE if k.merge]:
         del fa4_fp32._CACHE[key]
@@ -59,7 +58,7 @@ def _impls(causal: bool, scale: float) -> dict:
         "fa4 (bf16 out)": lambda q, k, v, acc, planes: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale),
         "fp32 store": lambda q, k, v, acc, planes: fa4_forward_fp32(
             q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0]),
-        "merge inline": merge, "merge hoisted": merge, "merge hoisted + prefetch": merge,
+        "merge inline": merge, "merge hoisted": merge,
     }
 
 
@@ -79,19 +78,18 @@ def main() -> None:
             planes[:, :, 1] = 1.0
         flops = 4 * s_q * s_k * h * d * (0.5 if causal else 1.0)
         impls = _impls(causal, scale)
-        builds = {"merge inline": (False, False), "merge hoisted": (True, False),
-                  "merge hoisted + prefetch": (True, True)}
+        builds = {"merge inline": False, "merge hoisted": True}
         base = None
         for impl, fn in impls.items():
             if impl in builds:
-                _use_build(*builds[impl])
+                _use_build(builds[impl])
             ms = median_ms(fn, sets, rep=300)
             base = ms if base is None else base
             row = {"shape": name, "s_q": s_q, "s_k": s_k, "causal": causal, "h": h, "d": d, "impl": impl,
                    "ms": ms, "tflops": flops / ms / 1e9, "over_fa4": ms / base - 1}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        _use_build(True, True)
+        _use_build(True)
         for *_, acc, planes in sets:  # the merges kept the accumulators finite
             assert torch.isfinite(acc).all() and torch.isfinite(planes).all(), name
         del sets

@@ -43,11 +43,10 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 
 # The epilogue issues every global load (the rows' (M, S), the accumulator tile) before it computes
 # or stores anything; False: the accumulator row by row after the (M, S) writes, the first version.
-# Read when the class is built (benchmarks/fa4_merge_epilogue.py times both in one process).
+# Read when the class is built (benchmarks/fa4_merge_epilogue.py times both in one process; on the
+# H200 hoisting saved 0.1-0.9% of the kernel's time. Prefetching the tile's accumulator rows into L2
+# at its first kv block, tried too, cost 1-2% more than without, so it is not done).
 _HOIST_LOADS = True
-# At each tile's first kv block the accumulator rows and (M, S) its epilogue reads are prefetched
-# into L2 (see _prefetch_acc); switchable like _HOIST_LOADS.
-_PREFETCH_ACC = True
 
 
 @functools.cache
@@ -63,48 +62,6 @@ def _sm90_merge_class() -> type:
     log2_e = math.log2(math.e)
 
     class _Sm90MergeOut(_sm90_class()):
-        def mma(self, tiled_mma_qk, tiled_mma_pv, mO, mLSE, *args):
-            # traced once per compile: what the tile-start prefetch needs (tidx: mma's 16th argument)
-            self._acc_args = (tiled_mma_pv, mO, mLSE, args[11])
-            return super().mma(tiled_mma_qk, tiled_mma_pv, mO, mLSE, *args)
-
-        def first_half_block_overlap(self, *args, **kwargs):
-            if kwargs.get("is_first_block", False):
-                self._prefetch_acc(kwargs.get("mask_fn"), kwargs.get("seqlen"))
-            return super().first_half_block_overlap(*args, **kwargs)
-
-        def mma_one_n_block(self, *args, **kwargs):
-            if kwargs.get("is_first_n_block", False):
-                self._prefetch_acc(kwargs.get("mask_fn"), kwargs.get("seqlen"))
-            return super().mma_one_n_block(*args, **kwargs)
-
-        def _prefetch_acc(self, mask_fn, seqlen):
-            """At a tile's first kv block: the rows of the accumulator and (M, S) that its epilogue
-            will read, prefetched into L2, so the epilogue's loads hit L2 instead of every CTA of a
-            wave reading HBM at once. The tile's coordinates come from FA4's mask partial (its
-            keywords); where they are missing (another FA4) nothing is prefetched."""
-            kw = getattr(mask_fn, "keywords", None) or {}
-            if const_expr(not _PREFETCH_ACC or self.check_hdim_v_oob or seqlen is None
-                          or any(k not in kw for k in ("m_block", "head_idx", "batch_idx"))):
-                return
-            self._prefetch_tile(*self._acc_args, seqlen, kw["m_block"], kw["head_idx"], kw["batch_idx"])
-
-        @cute.jit
-        def _prefetch_tile(self, tiled_mma, mO, mLSE, tidx, seqlen, m_block, head_idx, batch_idx):
-            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
-            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
-            tOgRun, gRun = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
-            if tOcO[0][1] == 0:  # the thread holding column 0 of its rows: whole rows, 128-byte lines
-                for m in cutlass.range_constexpr(cute.size(tOgO, mode=[0])):
-                    if t0OcO[m, 0][0] < rows_left:
-                        row = tOgO[m, None].iterator
-                        for c in cutlass.range_constexpr(0, self.tile_hdimv, 32):
-                            cute.arch.prefetch((row + c).llvm_ptr, cache_level="L2")
-                        cute.arch.prefetch((row + (self.tile_hdimv - 1)).llvm_ptr, cache_level="L2")
-                        run = tOgRun[m, None].iterator
-                        cute.arch.prefetch(run.llvm_ptr, cache_level="L2")
-                        cute.arch.prefetch((run + mLSE.stride[1] // 2).llvm_ptr, cache_level="L2")
-
         @cute.jit
         def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
                      tidx, m_block, head_idx, batch_idx):
