@@ -21,6 +21,8 @@
 #   hoist     the merging epilogue's loads all issued first and prefetched into L2 at the tile's start, the first
 #             block stored into an uninitialized accumulator: GPU tests, kernel costs per block shape (three
 #             builds), ring_sim executor with and without copies
+#   qring     the q ring backward (parallel/bwd_sides.py: q side and fp32 dq travel, K/V and dK/dV stay): ring GPU
+#             tests, ring_sim fwd+bwd executor with RINGFA4_BWD_RING=kv vs auto (q for MHA), precision P = 8 / 32
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -102,6 +104,15 @@ case "${1:-}" in
       python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
         --out "$out/ring_sim_64k_p8_hoist_$hops.json" 2>&1 | grep "^| 64k"
     done
+    ;;
+  qring)
+    timeout 330 python3 -m pytest -m gpu -q tests/test_ring_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -20
+    for ring in kv auto; do
+      echo "== RINGFA4_BWD_RING=$ring"
+      RINGFA4_BWD_RING=$ring python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
+        --passes fwd+bwd --out "$out/ring_sim_64k_p8_bwd_ring_$ring.json" 2>&1 | grep "^| 64k"
+    done
+    python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision_q_ring.json" 2>&1 | tail -4
     ;;
   nocopy)
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops none \

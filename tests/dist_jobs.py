@@ -39,6 +39,34 @@ def ring_case(layout, dtype, shape, kw, seed, ulysses=1):
     return {"full": full, "identical": identical} if dist.get_rank() == 0 else {"identical": identical}
 
 
+def ring_case_env(env, layout, dtype, shape, kw, seed):
+    """ring_case with environment switches set in this worker's process (restored after), and the
+    backward sides the distributed and the simulated run used."""
+    from ringfa4.parallel import bwd_sides
+
+    used, real = [], bwd_sides.backward_side
+
+    def spy(*args):
+        side = real(*args)
+        used.append(type(side).__name__)
+        return side
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    bwd_sides.backward_side = spy
+    try:
+        res = ring_case(layout, dtype, shape, kw, seed)
+    finally:
+        bwd_sides.backward_side = real
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    res["sides"] = used
+    return res
+
+
 def ring_case_backend_layout(layout, shape, kw, align):
     """ring_case (float64, fp32 block gradients) with the reference AccumBackward offering a
     head-major dK/dV layout of ``align``; also which layout this rank's states ended up using."""
@@ -83,6 +111,8 @@ def bad_input(kind, ulysses=1):
         h_kv = 3
     if kind == "switch_mismatch" and rank == 2:
         os.environ["RINGFA4_DKV_GROUPS"] = "1"  # this worker's process only; restored below
+    if kind == "ring_mismatch" and rank == 1:
+        os.environ["RINGFA4_BWD_RING"] = "q"
     if kind == "switch_invalid" and rank == 1:
         os.environ["RINGFA4_DKV_GROUPS"] = "zero"
     q = torch.randn(b, s, h, d)
@@ -96,6 +126,7 @@ def bad_input(kind, ulysses=1):
         ringfa4.attention(q, k, v, cp=cp, causal=causal)
     finally:
         os.environ.pop("RINGFA4_DKV_GROUPS", None)
+        os.environ.pop("RINGFA4_BWD_RING", None)
     return "no error"
 
 

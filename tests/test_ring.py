@@ -158,7 +158,8 @@ BAD = [
     ("bad_dtype", r"rank 3: k must have q's dtype torch.float32"),
     ("not_multiple", r"rank 0: q sequence length \(local 3 x 4 ranks\) 12 must be a multiple of 8"),
     ("heads", r"rank 0: k heads must divide q heads 4"),
-    ("switch_mismatch", r"rank 2: ring backward switches .* is \(1, 1, 1\), expected \(1, 1, 2\)"),
+    ("switch_mismatch", r"rank 2: ring backward switches .* is \(1, 1, 1, 0\), expected \(1, 1, 2, 0\)"),
+    ("ring_mismatch", r"rank 1: ring backward switches .* is \(1, 1, 2, 2\), expected \(1, 1, 2, 0\)"),
     ("switch_invalid", r"rank 1: RINGFA4_DKV_GROUPS must be an int >= 1, got 'zero'"),
 ]
 

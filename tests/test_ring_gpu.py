@@ -48,12 +48,15 @@ def test_loopback_poison_and_delay_are_exact(layout, copy, monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(plain, bad)), "the check cannot see a missing wait"
 
 
-def test_in_place_dkv_groups_under_poison_and_delay(monkeypatch):
-    """The default backward (fp32 block gradients, dK/dV in two kv-head groups reduce-added in
-    place, each group waiting for its own hop): poisoned, delayed hops change nothing beyond the
-    order of fp32 atomics, while a transport that skips its wait is caught."""
+@pytest.mark.parametrize("ring", ["kv", "q"])
+def test_in_place_dkv_groups_under_poison_and_delay(ring, monkeypatch):
+    """The default backward (fp32 block gradients; the travelling accumulators, dK/dV of the K/V
+    ring or dq of the q ring, in two head groups reduce-added in place, each group waiting for its
+    own hop): poisoned, delayed hops change nothing beyond the order of fp32 atomics, while a
+    transport that skips its wait is caught."""
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
     monkeypatch.setenv("RINGFA4_DKV_GROUPS", "2")
+    monkeypatch.setenv("RINGFA4_BWD_RING", ring)
     P = 4
     q, k, v, do = random_qkv(1, 4096, 4096, 8, 4, 128, dtype=torch.bfloat16, device="cuda", seed=2)
     plain = _run(ringfa4.ContextParallel.simulated(P), q, k, v, do, causal=True)
@@ -65,6 +68,46 @@ def test_in_place_dkv_groups_under_poison_and_delay(monkeypatch):
     bad = _run(ringfa4.ContextParallel.simulated(P, transport=broken), q, k, v, do, causal=True)
     assert any(not torch.allclose(a, b, rtol=2e-2, atol=2e-3) for a, b in zip(plain[2:], bad[2:])), \
         "the check cannot see a missing wait"
+
+
+@pytest.mark.parametrize("h_kv,kw", [(8, {"causal": True}), (2, {"causal": True}), (8, {}),
+                                     (8, {"causal": True, "window": (700, 0)})], ids=str)
+def test_bwd_rings_fa4(h_kv, kw, monkeypatch):
+    """Both backward rings on FA4's accumulating backward (parallel/bwd_sides.py), P = 16, h = 8:
+    the q ring (q side and fp32 dq travel) and the K/V ring (K/V and fp32 dK/dV travel) each
+    within 1.1x one full FA4 call's error against float64, MHA and GQA, and the two agree to fp32
+    rounding of the atomics; ``auto`` takes the q ring for MHA and the K/V ring for GQA."""
+    from ringfa4.parallel import bwd_sides
+
+    P, S = 16, 8192
+    q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv + 40)
+    ref = reference_grads(q, k, v, do, **kw)
+    be = get_backend("fa4")
+    spec = AttnSpec(**kw)
+    o, l = be.forward(q, k, v, spec)
+    full = be.backward(do, q, k, v, o, l, spec)
+    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
+    used, real = [], bwd_sides.backward_side
+
+    def spy(*args):
+        side = real(*args)
+        used.append(type(side).__name__)
+        return side
+
+    monkeypatch.setattr(bwd_sides, "backward_side", spy)
+    got = {}
+    for ring in ("q", "kv", "auto"):
+        monkeypatch.setenv("RINGFA4_BWD_RING", ring)
+        used.clear()
+        got[ring] = _run(cp, q, k, v, do, **kw)[2:]
+        got[ring + " side"] = used[0]
+    assert (got["q side"], got["kv side"]) == ("QSide", "KVSide")
+    assert got["auto side"] == ("QSide" if h_kv == 8 else "KVSide")
+    for ring in ("q", "kv"):
+        for name, a, f, r in zip(("dq", "dk", "dv"), got[ring], full, ref[2:]):
+            assert rel_err(a, r) <= 1.1 * rel_err(f, r), (ring, name, rel_err(a, r) / rel_err(f, r))
+    for name, a, b in zip(("dq", "dk", "dv"), got["q"], got["kv"]):
+        assert rel_err(a, b.double()) <= 1e-2, name
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])

@@ -244,3 +244,43 @@ class _Fa4Accum:
         from . import fa4_bwd_accum as acc
 
         return acc.finish(self.state, torch.float32 if dtype is None else dtype)
+
+    # the q side's travel (parallel/bwd_sides.py QSide): FA4's q-side tensors and dq accumulators
+    # of head groups (its dq_accum layout) that travel with them
+
+    def travel(self) -> tuple[torch.Tensor, ...]:
+        """``(q, dout, dpsum, lse_log2)`` of the state (contiguous): what another rank's blocks need."""
+        st = self.state
+        return st.q, st.dout, st.dpsum, st.lse_log2
+
+    def dq_zeros(self, h0: int, h1: int) -> torch.Tensor:
+        """A zeroed fp32 dq accumulator of q heads ``[h0, h1)`` in FA4's layout ``(b, n, s_r * d_r)``."""
+        b, _, length = self.state.dq_accum.shape
+        return torch.zeros(b, h1 - h0, length, dtype=torch.float32, device=self.state.q.device)
+
+    def dq_empty(self, h0: int, h1: int) -> torch.Tensor:
+        b, _, length = self.state.dq_accum.shape
+        return torch.empty(b, h1 - h0, length, dtype=torch.float32, device=self.state.q.device)
+
+    def _group(self, pieces, h0: int, h1: int, dq: torch.Tensor) -> _Fa4Accum:
+        from . import fa4_bwd_accum as acc
+
+        st, n = self.state, h1 - h0
+        q, dout, dpsum, lse_log2 = pieces
+        return _Fa4Accum(acc.BwdAccumState(st.arch, q.narrow(2, h0, n), dout.narrow(2, h0, n), st.softmax_scale,
+                                           st.softcap, dq, dpsum.narrow(1, h0, n), lse_log2.narrow(1, h0, n)))
+
+    def visiting(self, pieces: tuple[torch.Tensor, ...], h0: int, h1: int, dq: torch.Tensor) -> _Fa4Accum:
+        """The state of q heads ``[h0, h1)`` of another rank's q side ``pieces`` (its :meth:`travel`),
+        reduce-adding dQ into ``dq`` (that group's accumulator)."""
+        return self._group(pieces, h0, h1, dq)
+
+    def dq_from(self, bufs: list[torch.Tensor], heads: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+        """dq of this state's q in ``dtype`` from the head groups' accumulators (back home): FA4's dQ
+        postprocess once per group, into that group's heads."""
+        from . import fa4_bwd_accum as acc
+
+        dq = torch.empty(self.state.q.shape, dtype=dtype, device=self.state.q.device)
+        for buf, (h0, h1) in zip(bufs, heads, strict=True):
+            acc.finish(self._group(self.travel(), h0, h1, buf).state, dtype, out=dq.narrow(2, h0, h1 - h0))
+        return dq

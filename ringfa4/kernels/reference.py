@@ -214,3 +214,38 @@ class _ReferenceAccum:
 
     def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.acc if dtype is None else self.acc.to(dtype)
+
+    # the q side's travel (parallel/bwd_sides.py QSide): what a rank holding this q needs, and dq
+    # accumulators of head groups that travel with it
+
+    def travel(self) -> tuple[torch.Tensor, ...]:
+        """``(dout, q, out, lse)``, contiguous: what another rank's blocks of this q need."""
+        if not hasattr(self, "_travel"):
+            self._travel = tuple(t.contiguous() for t in (self.dout, self.q, self.out, self.lse))
+        return self._travel
+
+    def dq_zeros(self, h0: int, h1: int) -> torch.Tensor:
+        """A zeroed dq accumulator of q heads ``[h0, h1)``: ``(b, s, h1 - h0, d)`` in the compute dtype."""
+        b, s, _, d = self.q.shape
+        return torch.zeros(b, s, h1 - h0, d, dtype=self.acc.dtype, device=self.q.device)
+
+    def dq_empty(self, h0: int, h1: int) -> torch.Tensor:
+        b, s, _, d = self.q.shape
+        return torch.empty(b, s, h1 - h0, d, dtype=self.acc.dtype, device=self.q.device)
+
+    def visiting(self, pieces: tuple[torch.Tensor, ...], h0: int, h1: int, dq: torch.Tensor) -> _ReferenceAccum:
+        """The state of q heads ``[h0, h1)`` of another rank's q side ``pieces`` (its :meth:`travel`),
+        adding dq into ``dq`` (that group's accumulator)."""
+        view = object.__new__(_ReferenceAccum)
+        n = h1 - h0
+        dout, q, out, lse = pieces
+        view.backend, view.acc, view.lse = self.backend, dq, lse.narrow(1, h0, n)
+        view.dout, view.q, view.out = (t.narrow(2, h0, n) for t in (dout, q, out))
+        return view
+
+    def dq_from(self, bufs: list[torch.Tensor], heads: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+        """dq of this state's q in ``dtype`` from the head groups' accumulators (back home)."""
+        dq = torch.empty(self.q.shape, dtype=dtype, device=self.q.device)
+        for buf, (h0, h1) in zip(bufs, heads, strict=True):
+            dq[:, :, h0:h1] = buf
+        return dq

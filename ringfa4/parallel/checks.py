@@ -20,7 +20,8 @@ __all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
            "ulysses degree", "packing (cu_seqlens fingerprint)",
-           "ring backward switches (RINGFA4_FP32_GRADS, RINGFA4_DKV_WIRE fp32, RINGFA4_DKV_GROUPS)")
+           "ring backward switches (RINGFA4_FP32_GRADS, RINGFA4_DKV_WIRE fp32, RINGFA4_DKV_GROUPS, "
+           "RINGFA4_BWD_RING auto/kv/q)")
 _ERROR_KEY = "ringfa4/error"
 
 
@@ -47,7 +48,9 @@ def _f64_bits(x: float | None) -> int:
 def _switches(device: torch.device) -> list[int]:
     """The environment switches that decide what the ring backward sends (buffer count, sizes,
     dtype), as they resolve on ``device``: ranks that disagree would post mismatched hops."""
-    return [int(fp32_grads(device)), int(dkv_wire_fp32()), dkv_groups()]
+    from .bwd_sides import bwd_ring
+
+    return [int(fp32_grads(device)), int(dkv_wire_fp32()), dkv_groups(), ("auto", "kv", "q").index(bwd_ring())]
 
 
 def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
@@ -57,10 +60,12 @@ def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
             getattr(layout, "ulysses", 1), packing, *_switches(q.device)]
 
 
+_FIELD_SIZES = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1, 4)  # values of each of _FIELDS in the metadata vector
+
+
 def _field_slices():
-    sizes = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1, 3)
     out, at = [], 0
-    for name, n in zip(_FIELDS, sizes):
+    for name, n in zip(_FIELDS, _FIELD_SIZES, strict=True):
         out.append((name, slice(at, at + n)))
         at += n
     return out
@@ -86,7 +91,7 @@ def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v,
                        layout: Layout, timeout: datetime.timedelta, packing: int = 0) -> None:
     """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
     every rank if any rank failed its local checks or the ranks disagree."""
-    n = 25
+    n = 1 + sum(_FIELD_SIZES)
     payload = None
     if error is None:
         try:

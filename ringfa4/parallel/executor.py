@@ -24,7 +24,6 @@ import torch
 from ..kernels import AttnSpec, BlockBackend
 from ..kernels.cute_combine import combine_lse_
 from ..kernels.merge import planes_lse
-from .grad_sinks import grad_sink
 from .ring import RingSchedule
 from .ring_buffers import KVBuffers, KVRing, acc_dtype, cap_of, lse_shape, rows_of
 from .transport import Transport
@@ -322,44 +321,47 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per local rank: dq, dk, dv in the inputs' dtypes (accumulated in fp32).
 
-    dK/dV travel in ``sink.groups`` pieces (head groups). Where the kernels can add into the
-    travelling buffer itself (``sink.in_place``), each group waits for its piece's hop from the
-    step before, runs its blocks into it and sends it on, so one group's hop hides behind the
-    other group's blocks; otherwise a step's blocks go to a scratch (or come back per block) and
-    are added after the hop arrived."""
+    One loop for both sides of :mod:`.bwd_sides`: the travelling data (K/V, or the q side) hops
+    ``side.step`` ranks a step, posted before the step's blocks run; the travelling fp32
+    accumulators (dK/dV, or dq) go in ``side.groups`` pieces (head groups). Where the kernels add
+    into the travelling buffer itself (``side.in_place``), each group waits for its piece's hop from
+    the step before, runs its blocks into it and sends it on, so one group's hop hides behind the
+    other groups' blocks; otherwise a step's blocks go to a scratch (or come back per block) and
+    are added after the hop arrived. After the last step the accumulators go to their owners."""
+    from .bwd_sides import backward_side
+
     steps, world = run.active_steps, run.schedule.world_size
-    bufs = KVBuffers(ks[0], vs[0], cap_of(run, ks[0]))
-    kv = KVRing(run, bufs, ks, vs)
-    sink = grad_sink(run, douts, qs, ks, vs, outs, lses)
-    dkv_cur = [[sink.zeros(g, k.device) for k in ks] for g in range(sink.groups)]
-    dkv_nxt = [[sink.empty(g, k.device) for k in ks] for g in range(sink.groups)]
-    hops: list = [None] * sink.groups
+    side = backward_side(run, douts, qs, ks, vs, outs, lses)
+    local = range(len(run.ranks))
+    acc_cur = [[side.zeros(g, i) for i in local] for g in range(side.groups)]
+    acc_nxt = [[side.empty(g, i) for i in local] for g in range(side.groups)]
+    hops: list = [None] * side.groups
+    home = -(steps - 1) * side.step % world  # after the last step: back to the owner
     for t in range(steps):
-        kv_hop = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
-        held = [rows_of(run, run.schedule.source(r, t, world), ks[i]) for i, r in enumerate(run.ranks)]
-        kvs = [bufs.view(kv.cur[i], n) for i, n in enumerate(held)]
-        offset = 1 if t + 1 < steps else (world - steps + 1) % world  # after the last step: to the owner
-        for g in range(sink.groups):
-            if sink.in_place and hops[g] is not None:  # dK/dV of the K/V we hold, from the ranks before us
+        data_hop = run.transport.shift(side.ring.cur, side.ring.nxt, side.step) if t + 1 < steps else None
+        held = [side.held(i, r, t) for i, r in enumerate(run.ranks)]
+        offset = side.step if t + 1 < steps else home
+        for g in range(side.groups):
+            if side.in_place and hops[g] is not None:  # this group's accumulators, from the ranks before us
                 run.transport.wait(hops[g])
-                dkv_cur[g], dkv_nxt[g] = dkv_nxt[g], dkv_cur[g]
-            made = [sink.compute(g, i, run.schedule.blocks(r, t), *kvs[i], held[i],
-                             dkv_cur[g][i] if sink.in_place else None) for i, r in enumerate(run.ranks)]
-            if not sink.in_place and hops[g] is not None:
+                acc_cur[g], acc_nxt[g] = acc_nxt[g], acc_cur[g]
+            made = [side.compute(g, i, r, t, held[i], acc_cur[g][i] if side.in_place else None)
+                    for i, r in enumerate(run.ranks)]
+            if not side.in_place and hops[g] is not None:
                 run.transport.wait(hops[g])
-                dkv_cur[g], dkv_nxt[g] = dkv_nxt[g], dkv_cur[g]
+                acc_cur[g], acc_nxt[g] = acc_nxt[g], acc_cur[g]
             for i, mine in enumerate(made):
-                sink.fold(i, mine, dkv_cur[g][i], held[i])
-            hops[g] = run.transport.shift(dkv_cur[g], dkv_nxt[g], offset) if offset else None
-        if kv_hop is not None:
-            run.transport.wait(kv_hop)
-            kv.swap()
-    dqs = sink.dq()  # does not need the last dK/dV hops: runs while they travel
+                side.fold(i, mine, acc_cur[g][i], held[i])
+            hops[g] = run.transport.shift(acc_cur[g], acc_nxt[g], offset) if offset else None
+        if data_hop is not None:
+            run.transport.wait(data_hop)
+            side.ring.swap()
+    mine = side.local()  # what never travelled: runs while the last hops do
     for g, hop in enumerate(hops):
         if hop is not None:
             run.transport.wait(hop)
-            dkv_cur[g] = dkv_nxt[g]
-    return (dqs, *sink.dkv(dkv_cur, [rows_of(run, r, k) for r, k in zip(run.ranks, ks)]))
+            acc_cur[g] = acc_nxt[g]
+    return side.results(mine, acc_cur)
 
 
 def dkv_groups() -> int:

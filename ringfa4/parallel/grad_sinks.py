@@ -150,12 +150,13 @@ class DenseGrads:
         return self.bufs.view(buf, rows)
 
 
-def grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses):
+def grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses, states: list | None = None):
     """How this backward's block gradients reach the travelling dK/dV. Every rank must choose alike
     (the buffers travel): the choice depends on shapes, dtypes, the switches (compared across
     ranks by the metadata check) and the whole schedule, and on whether the backend's
-    ``begin_backward`` offers a state, which for the same inputs it decides alike everywhere."""
-    states = _accum_states(run, douts, qs, outs, lses)
+    ``begin_backward`` offers a state, which for the same inputs it decides alike everywhere.
+    ``states``: the local ranks' AccumBackward states when already begun (else begun here)."""
+    states = _accum_states(run, douts, qs, outs, lses) if states is None else states
     if any(st is None for st in states):
         return BlockGradSink(run, douts, qs, ks, vs, outs, lses)
     wire = acc_dtype(qs[0]) if run.dkv_wire_fp32 else ks[0].dtype
