@@ -23,6 +23,8 @@
 #             builds), ring_sim executor with and without copies
 #   qring     the q ring backward (parallel/bwd_sides.py: q side and fp32 dq travel, K/V and dK/dV stay): ring GPU
 #             tests, ring_sim fwd+bwd executor with RINGFA4_BWD_RING=kv vs auto (q for MHA), precision P = 8 / 32
+#   sizes     what a hop costs the kernels at 1/4, 1/2, 1 and 2x its bytes (hop_overlap --sizes), then ring_sim at
+#             the executor level with today's defaults, with and without copies (~5 min)
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -113,6 +115,13 @@ case "${1:-}" in
         --passes fwd+bwd --out "$out/ring_sim_64k_p8_bwd_ring_$ring.json" 2>&1 | grep "^| 64k"
     done
     python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision_q_ring.json" 2>&1 | tail -4
+    ;;
+  sizes)
+    python3 benchmarks/hop_overlap.py --sizes 0.25,0.5,1,2 --out "$out/hop_overlap_sizes.json" 2>&1 | grep "^|"
+    for hops in copy none; do
+      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
+        --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
+    done
     ;;
   nocopy)
     python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops none \

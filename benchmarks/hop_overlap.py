@@ -4,7 +4,7 @@ device-to-device copies alone (``copy_``; the driver's batched copy on the copy 
 loopback transport does them, parallel/copy_engine.py; an SM kernel), and both at once on two
 streams; ``hidden`` is the share of the copy time that did not add to the wall time.
 
-    python benchmarks/hop_overlap.py [--out bench_results/hop_overlap.json]
+    python benchmarks/hop_overlap.py [--sizes 0.25,0.5,1,2] [--out bench_results/hop_overlap.json]
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=8, help="blocks per timed region (the simulated ranks)")
     ap.add_argument("--out", default="bench_results/hop_overlap.json")
+    ap.add_argument("--sizes", default="", help="comma-separated byte scales (e.g. 0.25,0.5,1,2): instead of the "
+                    "methods, time the copy engines' copies at each scale of the hop (paced and burst), to see "
+                    "whether what a hop costs the kernels grows with its bytes")
     a = ap.parse_args()
     from ringfa4.kernels import fa4_bwd_accum as acc
     from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
@@ -54,9 +57,10 @@ def main() -> None:
     lse = torch.empty(1, h, m, device=dev)
     scale = d ** -0.5
     comm = torch.cuda.Stream()
-    kv_src = [torch.randn(2 * m * h * d, device=dev).to(bf) for _ in range(nb)]  # one rank's (k, v)
+    most = max([float(x) for x in a.sizes.split(",") if x] + [1.0])
+    kv_src = [torch.randn(int(most * 2 * m * h * d), device=dev).to(bf) for _ in range(nb)]  # one rank's (k, v)
     kv_dst = [torch.empty_like(x) for x in kv_src]
-    dkv_src = [torch.randn(m * h * d, device=dev) for _ in range(nb)]  # fp32 dK/dV of a rank, one of two head groups
+    dkv_src = [torch.randn(int(most * m * h * d), device=dev) for _ in range(nb)]  # fp32 dK/dV, one of two groups
     dkv_dst = [torch.empty_like(x) for x in dkv_src]
 
     def fwd(i):
@@ -130,8 +134,23 @@ def main() -> None:
         return copy
 
     methods = ("copy_", "batched, copy engines", "SM kernel")
-    for name, kernel, (src, dst) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
-        for method in methods:
+    scales = [float(x) for x in a.sizes.split(",") if x]
+    for name, kernel, (src_all, dst_all) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
+        for scale_b in scales:  # --sizes: the copy engines at each byte scale of the hop
+            base = src_all[0].numel() / most
+            src, dst = ([x[: int(scale_b * base)] for x in xs] for xs in (src_all, dst_all))
+            copy = copier("batched, copy engines", src, dst)
+            t_k = _time(variant("kernels", kernel, copy))
+            t_c = _time(variant("copies", kernel, copy))
+            mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
+            for kind in ("burst, copies first", "paced"):
+                t_b = _time(variant(kind, kernel, copy))
+                rows.append(dict(kernels=name, copy="batched, copy engines", order=kind, scale=scale_b,
+                                 kernels_ms=t_k, copies_ms=t_c, copies_mb=mb, both_ms=t_b,
+                                 hidden=(t_k + t_c - t_b) / t_c, cost_ms=t_b - t_k))
+                print(json.dumps(rows[-1]), flush=True)
+        src, dst = ([x[: int(x.numel() / most)] for x in xs] for xs in (src_all, dst_all))
+        for method in methods if not scales else ():
             copy = copier(method, src, dst)
             for x in dst:
                 x.zero_()
@@ -154,11 +173,12 @@ def main() -> None:
                    "rows": rows}, f, indent=1)
     print(f"\nhop overlap on {torch.cuda.get_device_name()} ({nb} blocks of {m} x {n}, h={h}, d={d}; "
           f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')})")
-    print("| kernels | copy | order | kernels ms | copies ms (MB) | both ms | hidden |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kernels | copy | order | kernels ms | copies ms (MB) | both ms | hidden | cost ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kernels']} | {r['copy']} | {r['order']} | {r['kernels_ms']:.3f} | {r['copies_ms']:.3f} "
-              f"({r['copies_mb']:.0f}) | {r['both_ms']:.3f} | {100 * r['hidden']:.0f}% |")
+              f"({r['copies_mb']:.0f}) | {r['both_ms']:.3f} | {100 * r['hidden']:.0f}% | "
+              f"{r['both_ms'] - r['kernels_ms']:.3f} |")
 
 
 if __name__ == "__main__":
