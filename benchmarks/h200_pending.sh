@@ -25,6 +25,7 @@
 #             tests, ring_sim fwd+bwd executor with RINGFA4_BWD_RING=kv vs auto (q for MHA), precision P = 8 / 32
 #   sizes     what a hop costs the kernels at 1/4, 1/2, 1 and 2x its bytes (hop_overlap --sizes), then ring_sim at
 #             the executor level with today's defaults, with and without copies (~5 min)
+#   ringab    the two backward rings in one call: ring_sim fwd+bwd executor, hops that copy nothing and with copies
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -121,6 +122,15 @@ case "${1:-}" in
     for hops in copy none; do
       python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
         --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
+    done
+    ;;
+  ringab)
+    for hops in none copy; do
+      for ring in kv q; do
+        echo "== RINGFA4_BWD_RING=$ring hops=$hops"
+        RINGFA4_BWD_RING=$ring python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
+          --passes fwd+bwd --hops $hops --out "$out/ring_sim_64k_p8_bwd_ring_${ring}_$hops.json" 2>&1 | grep "^| 64k"
+      done
     done
     ;;
   nocopy)
