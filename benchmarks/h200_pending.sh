@@ -26,6 +26,7 @@
 #   sizes     what a hop costs the kernels at 1/4, 1/2, 1 and 2x its bytes (hop_overlap --sizes), then ring_sim at
 #             the executor level with today's defaults, with and without copies (~5 min)
 #   ringab    the two backward rings in one call: ring_sim fwd+bwd executor, hops that copy nothing and with copies
+#   qprof     where the q ring's fwd+bwd time goes against the K/V ring's (ring_profile, MHA, 64k, P = 8)
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -131,6 +132,12 @@ case "${1:-}" in
         RINGFA4_BWD_RING=$ring python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
           --passes fwd+bwd --hops $hops --out "$out/ring_sim_64k_p8_bwd_ring_${ring}_$hops.json" 2>&1 | grep "^| 64k"
       done
+    done
+    ;;
+  qprof)
+    for ring in q kv; do
+      RINGFA4_BWD_RING=$ring python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+        --out "$out/ring_profile_64k_p8_mha_bwd_ring_$ring.json" 2>&1 | grep -E "^\||compute stream|host" | head -16
     done
     ;;
   nocopy)

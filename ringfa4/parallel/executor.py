@@ -6,11 +6,12 @@ themselves); the hop for step t+1 is posted before step t's blocks run; each blo
 the fp32 (out, lse) inside the attention kernel (``forward_merge``), or its output lands in a
 scratch and a merge kernel folds it in, or (``slots`` = n) it goes to n slots that one combine
 folds into the accumulator every n blocks.
-Backward: per block, the backend backward with the *global* merged out and lse; dq accumulates in
-fp32 locally; dK/dV accumulate in fp32 and travel with the K/V, reaching their owner after the
-last active step, in kv-head groups that the kernels add into in place where the backend can
-(see :func:`ring_backward`); one cast at the end. Steps after the last one any rank needs are not
-run.
+Backward: per block, the backend backward with the *global* merged out and lse; one loop over the
+side :mod:`.bwd_sides` picks: K/V travel with their fp32 dK/dV (dq accumulates locally), or the
+q side travels with its fp32 dq (K/V and dK/dV stay); the travelling accumulators go in head
+groups that the kernels add into in place where the backend can and reach their owner after the
+last active step (see :func:`ring_backward`); one cast at the end. Steps after the last one any
+rank needs are not run.
 """
 
 from __future__ import annotations
