@@ -436,6 +436,29 @@ def test_epilogue_merge_executor(decline, monkeypatch):
         run()
 
 
+def test_no_epilogue_merge_where_the_backend_cannot(monkeypatch):
+    """A backend whose ``can_forward_merge`` says no for the inputs (FA4 on sm100) gets no
+    ``forward_merge`` call: the ring runs each block into a scratch and a merge kernel, bit for bit
+    the RINGFA4_EPILOGUE_MERGE=0 results, instead of asking (and being declined) block by block."""
+    from ringfa4.kernels.reference import ReferenceBackend
+
+    calls = []
+    native = ReferenceBackend.forward_merge
+    monkeypatch.setattr(ReferenceBackend, "forward_merge", lambda self, *a: calls.append(1) or native(self, *a))
+    q, k, v, _ = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.bfloat16, seed=8)
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "0")
+    plain = ringfa4.attention(q, k, v, cp=cp, causal=True, return_lse=True)
+    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
+    monkeypatch.setattr(ReferenceBackend, "can_forward_merge", lambda self, q, v: False)
+    got = ringfa4.attention(q, k, v, cp=cp, causal=True, return_lse=True)
+    assert not calls and all(torch.equal(a, b) for a, b in zip(got, plain))
+    monkeypatch.undo()
+    monkeypatch.setattr(ReferenceBackend, "forward_merge", lambda self, *a: calls.append(1) or native(self, *a))
+    ringfa4.attention(q, k, v, cp=cp, causal=True)
+    assert calls  # the same inputs where it can: merged in "the kernel"
+
+
 @pytest.mark.parametrize("first_covers", [True, False])
 def test_epilogue_merge_uninitialized_accumulator(first_covers, monkeypatch):
     """The epilogue-merge forward allocates its accumulator and (M, S) planes uninitialized: a rank's

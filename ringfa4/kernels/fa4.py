@@ -165,6 +165,15 @@ class Fa4Backend:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
 
+    def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether :meth:`forward_merge` runs for dense blocks of these inputs (sm90, 16-bit,
+        d == d_v): elsewhere (sm100) the ring merges with a kernel after each fp32 block."""
+        from . import fa4_merge
+        from .fa4_bwd_accum import _arch
+
+        return q.dim() == 4 and q.device.type == "cuda" and q.dtype in _DTYPES and v.shape[-1] == q.shape[-1] \
+            and fa4_merge.can_implement(_arch())
+
     @torch.compiler.disable
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:

@@ -149,6 +149,10 @@ class ReferenceBackend:
             l = lse
         return o, l
 
+    def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Dense blocks: :meth:`forward_merge` runs (in torch)."""
+        return q.dim() == 4
+
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
         """What FA4's merging forward does (:mod:`.fa4_merge`), in torch: this block's attention,

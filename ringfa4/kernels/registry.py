@@ -90,6 +90,11 @@ class FallbackBackend:
         begin = getattr(self.chain[0], "begin_backward", None)
         return begin(dout, q, out, lse, spec) if begin is not None else None
 
+    def can_forward_merge(self, q, v) -> bool:
+        """Whether the first backend's merging forward runs for these inputs."""
+        can = getattr(self.chain[0], "can_forward_merge", None)
+        return can is not None and can(q, v)
+
     def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
         """The first backend's merging forward, or None (the caller then runs ``forward`` and a merge,
         through the whole chain)."""

@@ -145,6 +145,12 @@ class BlockBackend(Protocol):
 
     Optional, for ring backwards that keep block gradients in fp32 (see :class:`AccumBackward`):
     begin_backward(dout, q, out, lse, spec) -> AccumBackward | None
+
+    Optional, for ring forwards that merge inside the attention kernel (fp32 accumulators):
+    can_forward_merge(q, v) -> bool: whether ``forward_merge`` runs for blocks of these inputs (the
+    ring then keeps its running lse as (M, S) planes); forward_merge(q, k, v, spec, out_acc,
+    planes) -> planes | None: the block merged into ``out_acc`` and ``planes (b, h, 2, s_q)``
+    (see ``kernels/fa4_merge.py``), None where it cannot (the ring then runs forward and a merge).
     """
 
     name: str
@@ -183,6 +189,14 @@ class AccumBackward(Protocol):
     h_kv, d)`` dk, dv at the end, or, where the layout offers it, ``layout.write(buf, rows, dk, dv)``
     puts them straight into dk, dv of the inputs' dtype. Every rank must be offered the same layout
     (the buffers travel between ranks).
+
+    Optional, for the q ring backward (``parallel/bwd_sides.py``, where the q side travels and K/V
+    stay): travel() -> the state's q-side tensors another rank's blocks need (contiguous; sent as
+    they are); dq_zeros(h0, h1) / dq_empty(h0, h1) -> a dq accumulator of q heads ``[h0, h1)`` in
+    the state's layout (it travels with the q side); visiting(pieces, h0, h1, dq) -> the state of
+    heads ``[h0, h1)`` of another rank's q side ``pieces`` (its travel()), adding dq into ``dq``;
+    dq_from(bufs, heads, dtype) -> this state's dq ``(b, s_q, h, d)`` in ``dtype`` from the head
+    groups' accumulators once they are back home.
     """
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,

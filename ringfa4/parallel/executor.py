@@ -147,7 +147,8 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     bufs = KVBuffers(ks[0], vs[0], cap_of(run, ks[0]))
     kv = KVRing(run, bufs, ks, vs)
     part = acc if run.fp32_partials else None  # block output dtype (None: q's)
-    fused = run.epilogue_merge and run.fp32_partials and getattr(run.backend, "forward_merge", None) is not None \
+    can_merge = getattr(run.backend, "can_forward_merge", None)  # merging inside the kernel (FA4 sm90)
+    fused = run.epilogue_merge and run.fp32_partials and can_merge is not None and can_merge(q0, vs[0]) \
         and acc != q0.dtype and q0.dim() == 4 and not run.slots
     outs = [torch.empty(q.shape[:-1] + (dv,), dtype=acc, device=q.device) if fused  # see _EpilogueMerge
             else torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
