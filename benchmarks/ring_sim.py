@@ -116,7 +116,12 @@ def _save(args, rows) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "heads": args.heads, "head_dim": args.head_dim,
-                   "layout": "zigzag", "rows": rows}, f, indent=1)
+                   "layout": "zigzag", "switches": _switches(), "rows": rows}, f, indent=1)
+
+
+def _switches() -> dict[str, str]:
+    """The RINGFA4_* environment switches this run was started with (unset ones take defaults)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGFA4_")}
 
 
 def main() -> None:

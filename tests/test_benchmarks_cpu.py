@@ -105,3 +105,12 @@ def test_memtrace_replay_finds_the_peak_live_set():
     assert res["peak_in_trace_gib"] * 2**30 == 500
     assert [(round(r["gib"] * 2**30), r["where"]) for r in res["live_at_peak"]] == [(450, "ringfa4/b.py:7 f"),
                                                                                    (50, "ringfa4/c.py:7 f")]
+
+
+def test_ring_sim_records_the_switches(monkeypatch):
+    import ring_sim
+
+    monkeypatch.setenv("RINGFA4_BWD_RING", "q")
+    monkeypatch.delenv("RINGFA4_DKV_GROUPS", raising=False)
+    got = ring_sim._switches()
+    assert got["RINGFA4_BWD_RING"] == "q" and "RINGFA4_DKV_GROUPS" not in got
