@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import random_qkv, reference_grads
-from test_ring import MASKS, _assert_close, _full_backend_errors
+from test_ring import MASKS, _assert_close, _full_backend_errors, _sim_case
 
 import ringfa4
 from ringfa4.parallel import bwd_sides
@@ -30,26 +30,12 @@ def sides(monkeypatch):
     return used
 
 
-def _sim(P, layout, dtype, kw, h=4, h_kv=2, b=2, chunk=6, d=16, seed=0):
-    S = 2 * P * chunk
-    q, k, v, do = random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
-    ref = reference_grads(q, k, v, do, **kw)
-    base = _full_backend_errors(q, k, v, do, kw, ref)
-    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference")
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
-    out.backward(do)
-    got = (out, lse, qq.grad, kk.grad, vv.grad)
-    _assert_close(got, ref, base, dtype, f"q ring P={P} {layout} {kw}")
-    return got
-
-
 @pytest.mark.parametrize("kw", MASKS, ids=str)
 @pytest.mark.parametrize("P", [2, 3, 8])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_q_ring_simulated(kw, P, layout, sides, monkeypatch):
     monkeypatch.setenv("RINGFA4_BWD_RING", "q")
-    _sim(P, layout, torch.float64, kw, seed=P + 7)
+    _sim_case(P, layout, torch.float64, kw, seed=P + 7)
     assert sides == ["QSide"]
 
 
@@ -60,9 +46,9 @@ def test_q_ring_head_groups_and_gqa(groups, h, h_kv, sides, monkeypatch):
     divide the kv heads); fp32 inputs, MHA and GQA; the same grads as the K/V ring to rounding."""
     monkeypatch.setenv("RINGFA4_DKV_GROUPS", str(groups))
     monkeypatch.setenv("RINGFA4_BWD_RING", "q")
-    got = _sim(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
+    got = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
     monkeypatch.setenv("RINGFA4_BWD_RING", "kv")
-    other = _sim(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
+    other = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
     assert sides == ["QSide", "KVSide"]
     for a, b in zip(got, other):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

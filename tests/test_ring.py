@@ -52,7 +52,9 @@ def _sim_case(P, layout, dtype, kw, b=2, chunk=6, h=4, h_kv=2, d=16, seed=0):
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
     out.backward(do)
-    _assert_close((out, lse, qq.grad, kk.grad, vv.grad), ref, base, dtype, f"sim P={P} {layout} {kw}")
+    got = (out, lse, qq.grad, kk.grad, vv.grad)
+    _assert_close(got, ref, base, dtype, f"sim P={P} {layout} {kw}")
+    return got
 
 
 @pytest.mark.parametrize("P", list(range(1, 17)))

@@ -23,6 +23,15 @@ class _NoWaitTransport(LoopbackTransport):
         pass
 
 
+def _fa4_full_grads(q, k, v, do, kw):
+    """The float64 reference (out, lse, dq, dk, dv) and one full FA4 call's dq, dk, dv."""
+    ref = reference_grads(q, k, v, do, **kw)
+    be = get_backend("fa4")
+    spec = AttnSpec(**kw)
+    o, l = be.forward(q, k, v, spec)
+    return ref, be.backward(do, q, k, v, o, l, spec)
+
+
 def _run(cp, q, k, v, do, **kw):
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
@@ -81,11 +90,7 @@ def test_bwd_rings_fa4(h_kv, kw, monkeypatch):
 
     P, S = 16, 8192
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv + 40)
-    ref = reference_grads(q, k, v, do, **kw)
-    be = get_backend("fa4")
-    spec = AttnSpec(**kw)
-    o, l = be.forward(q, k, v, spec)
-    full = be.backward(do, q, k, v, o, l, spec)
+    ref, full = _fa4_full_grads(q, k, v, do, kw)
     cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
     used, real = [], bwd_sides.backward_side
 
@@ -162,11 +167,7 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
     monkeypatch.setattr(acc.TileKVLayout, "write", lambda self, buf, rows, dk, dv: gathered.append(rows) or write(
         self, buf, rows, dk, dv))
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
-    ref = reference_grads(q, k, v, do, **kw)
-    be = get_backend("fa4")
-    spec = AttnSpec(**kw)
-    o, l = be.forward(q, k, v, spec)
-    full = be.backward(do, q, k, v, o, l, spec)
+    ref, full = _fa4_full_grads(q, k, v, do, kw)
     cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
     monkeypatch.setenv("RINGFA4_DKV_WIRE", wire)
     monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
