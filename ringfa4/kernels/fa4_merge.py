@@ -44,8 +44,16 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 # The epilogue issues every global load (the rows' (M, S), the accumulator tile) before it computes
 # or stores anything; False: the accumulator row by row after the (M, S) writes, the first version.
 # Read when the class is built (benchmarks/fa4_merge_epilogue.py times both in one process; on the
-# H200 hoisting saved 0.1-0.9% of the kernel's time. Prefetching the tile's accumulator rows into L2
-# at its first kv block, tried too, cost 1-2% more than without, so it is not done).
+# H200 hoisting saved 0.1-0.9% of the kernel's time).
+# Tried and dropped, since each was slower on the H200 (64k ring block shapes, one process each):
+# - the tile's accumulator rows and (M, S) prefetched into L2 at the tile's first kv block, or at kv
+#   block 1, 2, 4 or 8 of its mainloop: +0.5 to +1.5 points over these loads
+#   (benchmarks/results/fa4_merge_epilogue{_prefetch,_lead}_h200.json);
+# - the same copied into 65 KB of the shared memory FA4 leaves free, by cp.async issued at the first
+#   kv block (or block 2 or 8), the epilogue reading shared memory: +1 to +3 points
+#   (fa4_merge_epilogue_async_h200.json; the code tried: fa4_merge_async_tried.patch).
+# So what the merge costs over the fp32 store (about 2 us a 128-row tile) is not the accumulator's
+# HBM latency; what it is instead was not found without a profiler.
 _HOIST_LOADS = True
 
 
