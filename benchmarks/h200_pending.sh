@@ -27,6 +27,10 @@
 #             the executor level with today's defaults, with and without copies (~5 min)
 #   ringab    the two backward rings in one call: ring_sim fwd+bwd executor, hops that copy nothing and with copies
 #   qprof     where the q ring's fwd+bwd time goes against the K/V ring's (ring_profile, MHA, 64k, P = 8)
+#   close     today's defaults at the executor level (ring_sim fwd and fwd+bwd, hops that copy and hops that copy
+#             nothing, one call), precision at P = 8 / 32 (~6 min)
+#   ncu       Nsight Compute of FA4's forward, our fp32-output one and the merging one at 8k x 4k: stall samples per
+#             SASS line (benchmarks/ncu_merge_epilogue.sh, ~1 min)
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -124,6 +128,16 @@ case "${1:-}" in
       python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
         --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
     done
+    ;;
+  close)
+    for hops in none copy; do
+      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
+        --out "$out/ring_sim_64k_p8_close_$hops.json" 2>&1 | grep "^| 64k"
+    done
+    python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision_close.json" 2>&1 | tail -4
+    ;;
+  ncu)
+    bash benchmarks/ncu_merge_epilogue.sh 2>&1 | tail -60
     ;;
   ringab)
     for hops in none copy; do

@@ -52,8 +52,12 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 # - the same copied into 65 KB of the shared memory FA4 leaves free, by cp.async issued at the first
 #   kv block (or block 2 or 8), the epilogue reading shared memory: +1 to +3 points
 #   (fa4_merge_epilogue_async_h200.json; the code tried: fa4_merge_async_tried.patch).
-# So what the merge costs over the fp32 store (about 2 us a 128-row tile) is not the accumulator's
-# HBM latency; what it is instead was not found without a profiler.
+# Nsight Compute (benchmarks/ncu_merge_epilogue.sh, 8k x 4k; benchmarks/results/ncu/) shows where
+# the merge's time goes: the epilogue waiting for these loads (long scoreboard at the first use of
+# (M, S): 5.8k stall samples after the last matmul against 2.3k for the fp32 store, of ~82k). The
+# cp.async copy took 2.1k of them out of the epilogue but its 36 eight-byte copies a thread cost 1.8k
+# to issue in the mainloop. Left to try: a copy that is cheap to issue (16-byte coalesced cp.async
+# into a swizzled row-major tile, or one TMA load by the producer warp group, with an mbarrier).
 _HOIST_LOADS = True
 
 
