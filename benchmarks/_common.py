@@ -41,3 +41,35 @@ def median_ms(fn, sets, rep: int = 200) -> float:
     from triton.testing import do_bench
 
     return do_bench(rotating(fn, sets), warmup=10, rep=rep, return_mode="median")
+
+
+def interleaved_ms(fns: dict, sets, rounds: int = 5, rep: int = 200, measure=None, discard: int = 1) -> dict:
+    """Median times (ms) of several step functions timed in ``rounds`` alternating rounds (each
+    round times every function once, ``rep`` ms of ``do_bench``, at least one call), after
+    ``discard`` rounds that are thrown away (the first calls of a step run colder: measured 10% on
+    the H200), so a drift of the GPU's speed during the run (clocks, heat, a neighbour) moves them
+    alike instead of biasing their ratio. Returns ``{name: {"ms": median over rounds, "rounds": [ms
+    per round]}}``; ``ratio(out, a, b)`` gives the median over rounds of a / b.
+    ``measure(fn, sets, rep)`` defaults to :func:`median_ms`."""
+    measure = measure or median_ms
+    out = {name: {"rounds": []} for name in fns}
+    for k in range(discard + rounds):
+        for name, fn in fns.items():
+            t = measure(fn, sets, rep)
+            if k >= discard:
+                out[name]["rounds"].append(t)
+    for v in out.values():
+        v["ms"] = _median(v["rounds"])
+    return out
+
+
+def ratio(timed: dict, a: str, b: str) -> dict:
+    """Median, min and max over the rounds of :func:`interleaved_ms` of time(a) / time(b)."""
+    per = [x / y for x, y in zip(timed[a]["rounds"], timed[b]["rounds"], strict=True)]
+    return {"median": _median(per), "min": min(per), "max": max(per)}
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])

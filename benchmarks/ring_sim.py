@@ -3,7 +3,9 @@
 efficiency = time(one full-sequence call) / (P x time of one rank's ring work); the simulated
 executor runs all P ranks back to back, so P x (one rank) is its total time. Also timed in the
 same run: the same ranks' block calls alone (no merge, no hops), so the overhead of everything
-that is not the block kernel is ``ring / calls - 1``.
+that is not the block kernel is ``ring / calls - 1``. Ring and calls are timed in alternating
+rounds (``--rounds``, after one discarded warm round); the overhead is the median over rounds of
+their ratio, with its range.
 
 Two levels: ``api`` times ``ringfa4.attention`` on the full tensors (the simulated executor also
 shards the inputs and unshards the outputs and gradients, which a real rank never does per call);
@@ -23,7 +25,7 @@ import json
 import os
 
 import torch
-from _common import cp_step, full_call, median_ms
+from _common import cp_step, full_call, interleaved_ms, median_ms, ratio
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -134,6 +136,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--level", choices=("both", "api", "executor"), default="both")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of ring and calls-alone timing")
     ap.add_argument("--hops", choices=("copy", "none"), default="copy",
                     help="none: hops copy nothing (timing attribution only, wrong results)")
     args = ap.parse_args()
@@ -152,15 +155,20 @@ def main() -> None:
                         P, layout="zigzag", backend=be, transport=_NoCopyHops() if args.hops == "none" else None)
                     for level in {"both": ("api", "executor"), "api": ("api",), "executor": ("executor",)}[args.level]:
                         if level == "api":
-                            t_ring = median_ms(cp_step(cp, backward, causal=causal), sets, rep)
-                            t_calls = median_ms(_calls_alone(cp, spec, be, backward), sets, rep)
+                            fns = {"ring": cp_step(cp, backward, causal=causal),
+                                   "calls": _calls_alone(cp, spec, be, backward)}
                         else:
-                            t_ring = median_ms(_executor_step(cp, spec, backward), sets, rep)
-                            t_calls = median_ms(_calls_alone(cp, spec, be, backward, {}), sets, rep)
+                            fns = {"ring": _executor_step(cp, spec, backward),
+                                   "calls": _calls_alone(cp, spec, be, backward, {})}
+                        timed = interleaved_ms(fns, sets, args.rounds, rep)
+                        t_ring, t_calls = timed["ring"]["ms"], timed["calls"]["ms"]
+                        over = ratio(timed, "ring", "calls")
                         row = {"S": S, "P": P, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
                                "level": level, "full_ms": t_full, "ring_ms_per_rank": t_ring / P,
                                "calls_ms_per_rank": t_calls / P, "efficiency": t_full / t_ring,
-                               "calls_efficiency": t_full / t_calls, "overhead": t_ring / t_calls - 1,
+                               "calls_efficiency": t_full / t_calls, "overhead": over["median"] - 1,
+                               "overhead_range": [over["min"] - 1, over["max"] - 1], "rounds": args.rounds,
+                               "ring_ms_rounds": timed["ring"]["rounds"], "calls_ms_rounds": timed["calls"]["rounds"],
                                "backend": be.name, "hops": args.hops}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
@@ -171,13 +179,14 @@ def main() -> None:
     print(f"\nring, simulated on one {torch.cuda.get_device_name()} ({be.name} blocks, h={args.heads}, "
           f"d={args.head_dim}, bf16, zigzag, hops: {args.hops})")
     print("| S | P | causal | pass | level | full ms | ring ms/rank | calls ms/rank | efficiency | calls alone "
-          "| overhead |")
+          "| overhead (range over rounds) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        lo, hi = r["overhead_range"]
         print(f"| {r['S'] // 1024}k | {r['P']} | {'yes' if r['causal'] else 'no'} | {r['pass']} | {r['level']} | "
               f"{r['full_ms']:.2f} | "
               f"{r['ring_ms_per_rank']:.3f} | {r['calls_ms_per_rank']:.3f} | {r['efficiency']:.3f} | "
-              f"{r['calls_efficiency']:.3f} | {100 * r['overhead']:+.1f}% |")
+              f"{r['calls_efficiency']:.3f} | {100 * r['overhead']:+.1f}% ({100 * lo:+.1f} to {100 * hi:+.1f}) |")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,30 @@ def test_ring_sim_calls_alone_runs():
         assert len(cache) == 1
 
 
+def test_interleaved_rounds_alternate_and_ratio_is_per_round():
+    """interleaved_ms times every function once a round, in order; ratio takes the per-round ratio,
+    so a drift that slows both alike in a round cancels (the fake timer drifts 2x over the run)."""
+    from _common import interleaved_ms, ratio
+
+    calls = []
+
+    def fake(fn, sets, rep):
+        calls.append(fn)
+        drift = 1.0 + len(calls) / 4  # the machine slows down as the run goes on
+        return {"a": 1.1, "b": 1.0}[fn] * drift
+
+    timed = interleaved_ms({"a": "a", "b": "b"}, sets=None, rounds=4, rep=5, measure=fake)
+    assert calls == ["a", "b"] * 5  # one warm round thrown away, then 4
+    r = ratio(timed, "a", "b")
+    # per round a is timed just before b (slightly less drift), so each ratio is a bit under 1.1
+    per = [1.1 * (1 + (2 * i + 1) / 4) / (1 + (2 * i + 2) / 4) for i in range(1, 5)]
+    assert abs(r["median"] - 0.5 * (sorted(per)[1] + sorted(per)[2])) < 1e-12
+    assert r["min"] == min(per) and r["max"] == max(per)
+    assert timed["a"]["rounds"] == [1.1 * (1 + (2 * i + 1) / 4) for i in range(1, 5)]
+    b = timed["b"]["rounds"]
+    assert len(b) == 4 and timed["b"]["ms"] == 0.5 * (b[1] + b[2])
+
+
 def test_ulysses_a2a_volume():
     import ulysses_sim
 
