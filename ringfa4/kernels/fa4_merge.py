@@ -47,20 +47,21 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 # H200 hoisting saved 0.1-0.9% of the kernel's time).
 # Tried and dropped, since each was slower on the H200 (64k ring block shapes, one process each):
 # - the tile's accumulator rows and (M, S) prefetched into L2 at the tile's first kv block, or at kv
-#   block 1, 2, 4 or 8 of its mainloop: +0.5 to +1.5 points over these loads
+#   block 1, 2, 4 or 8 of its mainloop: -0.1 to +2.3 points over these loads
 #   (benchmarks/results/fa4_merge_epilogue{_prefetch,_lead}_h200.json);
 # - the same copied into 65 KB of the shared memory FA4 leaves free, by cp.async issued at the first
 #   kv block (or block 2 or 8), the epilogue reading shared memory: +1 to +3 points with 8-byte copies
 #   in the MMA fragment's order (fa4_merge_epilogue_async_h200.json, fa4_merge_async_tried.patch),
-#   +0.6 to +1.6 points with 16-byte copies into a swizzled row-major tile (+4 to +5 issued at kv
-#   block 2; fa4_merge_epilogue_async16_h200.json, fa4_merge_async16_tried.patch).
+#   +0.6 to +1.6 points with 16-byte copies into a swizzled row-major tile (issued at kv
+#   block 2: +5 to +6; fa4_merge_epilogue_async16_h200.json, fa4_merge_async16_tried.patch).
 # Nsight Compute (benchmarks/ncu_merge_epilogue.sh, 8k x 4k; benchmarks/results/ncu/) shows where
 # the merge's time goes: the epilogue waiting for these loads (long scoreboard at the first use of
 # (M, S): 5.8k stall samples after the last matmul against 2.3k for the fp32 store, of ~82k). The
 # cp.async copy took 2.1k of them out of the epilogue but its 36 eight-byte copies a thread cost 1.8k
-# to issue in the mainloop; the 16-byte one costs 0.3k to issue and leaves 3.9k in the epilogue, and
-# the two MMA warp groups then wait 1.7k more at FA4's scheduling barrier. Left to try: one TMA
-# load by the producer warp group with an mbarrier, so the MMA warps issue nothing.
+# to issue in the mainloop; the 16-byte one costs 0.3k to issue and leaves 3.9k in the epilogue
+# (84.3k samples in all against the hoisted kernel's 84.8k, another ncu call, at ncu's locked clocks),
+# yet timed back to back it was the slower one: not resolved. Left to try: one TMA load by the
+# producer warp group with an mbarrier, so the MMA warps issue nothing.
 _HOIST_LOADS = True
 
 
