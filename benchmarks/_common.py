@@ -45,7 +45,8 @@ def median_ms(fn, sets, rep: int = 200) -> float:
 
 def interleaved_ms(fns: dict, sets, rounds: int = 5, rep: int = 200, measure=None, discard: int = 1) -> dict:
     """Median times (ms) of several step functions timed in ``rounds`` alternating rounds (each
-    round times every function once, ``rep`` ms of ``do_bench``, at least one call), after
+    round times every function once, ``rep`` ms of ``do_bench``, at least one call; odd rounds in
+    reverse order, so neither always runs first), after
     ``discard`` rounds that are thrown away (the first calls of a step run colder: measured 10% on
     the H200), so a drift of the GPU's speed during the run (clocks, heat, a neighbour) moves them
     alike instead of biasing their ratio. Returns ``{name: {"ms": median over rounds, "rounds": [ms
@@ -54,7 +55,7 @@ def interleaved_ms(fns: dict, sets, rounds: int = 5, rep: int = 200, measure=Non
     measure = measure or median_ms
     out = {name: {"rounds": []} for name in fns}
     for k in range(discard + rounds):
-        for name, fn in fns.items():
+        for name, fn in (reversed(fns.items()) if k % 2 else fns.items()):
             t = measure(fn, sets, rep)
             if k >= discard:
                 out[name]["rounds"].append(t)
