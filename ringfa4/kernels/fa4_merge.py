@@ -61,7 +61,9 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 # to issue in the mainloop; the 16-byte one costs 0.3k to issue and leaves 3.9k in the epilogue
 # (84.3k samples in all against the hoisted kernel's 84.8k, another ncu call, at ncu's locked clocks),
 # yet timed back to back it was the slower one: not resolved. Left to try: one TMA load by the
-# producer warp group with an mbarrier, so the MMA warps issue nothing.
+# producer warp group with an mbarrier, so the MMA warps issue nothing; its tensor map has to reach
+# FA4's kernel as a parameter, which its __call__ / kernel signatures have no room for (a change
+# upstream, or a subclass re-declaring both).
 _HOIST_LOADS = True
 
 
