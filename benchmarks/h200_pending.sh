@@ -32,9 +32,9 @@
 #   ncu       Nsight Compute of FA4's forward, our fp32-output one and the merging one at 8k x 4k: stall samples per
 #             SASS line (benchmarks/ncu_merge_epilogue.sh, ~1 min)
 #   async     (a tried variant: first `git apply benchmarks/results/fa4_merge_async16_tried.patch`) the merging
-#             epilogue's accumulator tile copied into shared memory by cp.async in 16-byte chunks during the mainloop
-#             (fa4_merge._ASYNC_LEAD): GPU tests, kernel costs per block shape (builds), ncu (~6 min);
-#             async2: ring_sim at the executor level with and without copies
+#             epilogue's accumulator tile copied into shared memory by cp.async in 16-byte chunks during the mainloop:
+#             GPU tests, kernel costs per block shape (the patch's build; compare a run of fa4_merge_epilogue.py
+#             without it), ncu (~6 min); then `close` for ring_sim with it
 #   blackwell (owed: no Blackwell GPU lent) the sm100 paths that only compile so far: FA4's accumulating backward
 #             (kernels/fa4_bwd_plan.py) and fp32-output forward, forced on: GPU tests, precision at P = 8 / 32
 #   nccl      (kind nvidia-h200-x2; needs .gpu staged the same way) the NCCL ring against the simulated one,
@@ -148,12 +148,6 @@ case "${1:-}" in
       | grep -E "passed|failed|^E " | head -20
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_async16.json" 2>&1 | grep "^|"
     bash benchmarks/ncu_merge_epilogue.sh 2>&1 | grep -E "Duration|section|after" | head
-    ;;
-  async2)
-    for hops in none copy; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
-        --out "$out/ring_sim_64k_p8_async16_$hops.json" 2>&1 | grep "^| 64k"
-    done
     ;;
   ringab)
     for hops in none copy; do
