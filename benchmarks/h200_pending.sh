@@ -29,6 +29,10 @@
 #   qprof     where the q ring's fwd+bwd time goes against the K/V ring's (ring_profile, MHA, 64k, P = 8)
 #   close     today's defaults at the executor level (ring_sim fwd and fwd+bwd, hops that copy and hops that copy
 #             nothing, one call), precision at P = 8 / 32 (~6 min)
+#   persist   the fp32 / merging forwards of unmasked blocks as persistent kernels (RINGFA4_FA4_PERSISTENT=1): GPU
+#             tests, kernel costs per block shape (persistent next to one CTA a tile), ring_sim executor (~9 min)
+#   paired    the merging forward's cost per block shape with two ring steps in one call (8k x 8k, 4k x 16k) next
+#             to today's shapes, then `close` (~8 min)
 #   ncu       Nsight Compute of FA4's forward, our fp32-output one and the merging one at 8k x 4k: stall samples per
 #             SASS line (benchmarks/ncu_merge_epilogue.sh, ~1 min)
 #   async     (a tried variant: first `git apply benchmarks/results/fa4_merge_async16_tried.patch`) the merging
@@ -133,6 +137,18 @@ case "${1:-}" in
         --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
     done
     ;;
+  persist)  # unmasked blocks' fp32 / merging forwards as persistent kernels (RINGFA4_FA4_PERSISTENT)
+    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
+      | grep -E "passed|failed|^E " | head -20
+    python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_persistent.json" 2>&1 | grep "^|"
+    for hops in none copy; do
+      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
+        --out "$out/ring_sim_64k_p8_persistent_$hops.json" 2>&1 | grep "^| 64k"
+    done
+    ;;
+  paired)  # what the merging forward costs per call when two ring steps share one call
+    python3 benchmarks/fa4_merge_epilogue.py --shapes paired --out "$out/fa4_merge_epilogue_paired.json" 2>&1 | grep "^|"
+    ;&
   close)
     for hops in none copy; do
       python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
