@@ -2,11 +2,9 @@
 P = 8 (h = 32, d = 128, bf16): FA4's forward (bf16 out, TMA store), our fp32-output forward
 (kernels/fa4_fp32.py: stores fp32 from registers), and the merging forward (kernels/fa4_merge.py)
 in two builds: ``inline`` (the first version: the accumulator read row by row after the (M, S)
-writes) and ``hoisted`` (every load of the epilogue issued before any store); both with one CTA a
-tile as FA4 launches them, and, for blocks with no mask, ``persistent`` (the default,
-``RINGFA4_FA4_PERSISTENT=1``: one CTA per SM walking the tiles, hoisted loads). All in one process,
-rotating over 3 input sets; each merge runs into its own accumulator (planes initialized by one
-stored block).
+writes) and ``hoisted`` (the default: every load of the epilogue issued before any store). All
+in one process, rotating over 3 input sets; each merge runs into its own
+accumulator (planes initialized by one stored block).
 
     python benchmarks/fa4_merge_epilogue.py [--shapes ring|paired] [--out bench_results/fa4_merge_epilogue.json]
 
@@ -48,8 +46,6 @@ def _sets(s_q: int, s_k: int, h: int, d: int, n: int = 3):
 
 def _use_build(hoist: bool) -> None:
     """Rebuild the merging class as asked (the compile cache keeps no such key)."""
-    if fa4_merge._HOIST_LOADS == hoist:
-        return
     fa4_merge._HOIST_LOADS = hoist
     fa4_merge._sm90_merge_class.cache_clear()
     for key in [k for k in fa4_fp32._CACHE if k.merge]:
@@ -62,18 +58,12 @@ def _impls(causal: bool, scale: float) -> dict:
     def merge(q, k, v, acc, planes):
         return fa4_forward_merge_(q, k, v, acc, planes, causal=causal, softmax_scale=scale)
 
-    def store(q, k, v, acc, planes):
-        return fa4_forward_fp32(q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0])
-
-    # name: (function, hoisted loads, persistent); masked blocks have no persistent build
-    impls = {
-        "fa4 (bf16 out)": (lambda q, k, v, acc, planes: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale),
-                           True, False),
-        "fp32 store": (store, True, False), "merge inline": (merge, False, False),
-        "merge hoisted": (merge, True, False),
-        "fp32 store persistent": (store, True, True), "merge persistent": (merge, True, True),
+    return {
+        "fa4 (bf16 out)": lambda q, k, v, acc, planes: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale),
+        "fp32 store": lambda q, k, v, acc, planes: fa4_forward_fp32(
+            q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0]),
+        "merge inline": merge, "merge hoisted": merge,
     }
-    return {name: impl for name, impl in impls.items() if not (causal and impl[2])}
 
 
 def main() -> None:
@@ -92,10 +82,12 @@ def main() -> None:
             fa4_forward_fp32(q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0])
             planes[:, :, 1] = 1.0
         flops = 4 * s_q * s_k * h * d * (0.5 if causal else 1.0)
+        impls = _impls(causal, scale)
+        builds = {"merge inline": False, "merge hoisted": True}
         base = None
-        for impl, (fn, hoist, persistent) in _impls(causal, scale).items():
-            _use_build(hoist)
-            os.environ["RINGFA4_FA4_PERSISTENT"] = "1" if persistent else "0"
+        for impl, fn in impls.items():
+            if impl in builds:
+                _use_build(builds[impl])
             ms = median_ms(fn, sets, rep=300)
             base = ms if base is None else base
             row = {"shape": name, "s_q": s_q, "s_k": s_k, "causal": causal, "h": h, "d": d, "impl": impl,
@@ -103,7 +95,6 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         _use_build(True)
-        os.environ.pop("RINGFA4_FA4_PERSISTENT")
         for *_, acc, planes in sets:  # the merges kept the accumulators finite
             assert torch.isfinite(acc).all() and torch.isfinite(planes).all(), name
         del sets

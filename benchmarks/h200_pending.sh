@@ -29,8 +29,9 @@
 #   qprof     where the q ring's fwd+bwd time goes against the K/V ring's (ring_profile, MHA, 64k, P = 8)
 #   close     today's defaults at the executor level (ring_sim fwd and fwd+bwd, hops that copy and hops that copy
 #             nothing, one call), precision at P = 8 / 32 (~6 min)
-#   persist   the fp32 / merging forwards of unmasked blocks as persistent kernels (RINGFA4_FA4_PERSISTENT=1): GPU
-#             tests, kernel costs per block shape (persistent next to one CTA a tile), ring_sim executor (~9 min)
+#   persist   (a tried variant: first `git apply benchmarks/results/fa4_persistent_tried.patch`) the fp32 / merging
+#             forwards of unmasked blocks as persistent kernels (RINGFA4_FA4_PERSISTENT=1): GPU tests, kernel costs
+#             per block shape (persistent next to one CTA a tile), ring_sim executor (~7 min)
 #   paired    the merging forward's cost per block shape with two ring steps in one call (8k x 8k, 4k x 16k) next
 #             to today's shapes, then `close` (~8 min)
 #   ncu       Nsight Compute of FA4's forward, our fp32-output one and the merging one at 8k x 4k: stall samples per
@@ -137,7 +138,7 @@ case "${1:-}" in
         --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
     done
     ;;
-  persist)  # unmasked blocks' fp32 / merging forwards as persistent kernels (RINGFA4_FA4_PERSISTENT)
+  persist)  # with fa4_persistent_tried.patch applied: unmasked blocks' forwards as persistent kernels
     timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
       | grep -E "passed|failed|^E " | head -20
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_persistent.json" 2>&1 | grep "^|"

@@ -27,10 +27,8 @@ set) the kernels compile without a GPU and nothing runs: see :func:`compile_only
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -62,7 +60,6 @@ class Fp32Key:
     intra_wg_overlap: bool  # sm90 only
     broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
     merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4_merge.py)
-    persistent_sms: int = 0  # sm90, no mask: one CTA per SM walks the tiles (0: one CTA a tile, FA4's launch)
 
 
 @functools.cache
@@ -136,55 +133,6 @@ def _sm90_class() -> type:
     return _Sm90Fp32Out
 
 
-def persistent_tiles() -> bool:
-    """``RINGFA4_FA4_PERSISTENT``: ``1`` (default) launches the sm90 fp32 / merging forwards of blocks
-    with no mask (every ring step but a rank's own diagonal) as persistent kernels, one CTA per SM
-    walking the query tiles in FA4's static round robin, so a tile's epilogue (the fp32 stores, the
-    merge's accumulator loads) overlaps the producer warp group loading the next tile's Q and K / V
-    instead of ending the CTA; ``0``: one CTA per tile, as FA4 launches its sm90 forward. Masked
-    blocks (causal, windows) keep FA4's launch: their tiles differ in work, which FA4 orders
-    longest first (LPT) and a static round robin would not."""
-    raw = os.environ.get("RINGFA4_FA4_PERSISTENT", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"RINGFA4_FA4_PERSISTENT must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-@functools.cache
-def _persistent_scheduler(num_sms: int) -> type:
-    """FA4's ``StaticPersistentTileScheduler`` with its grid (``min(num_sms, tiles)`` CTAs) fixed by
-    ``num_sms`` at compile time instead of asking the driver, so it compiles without a GPU."""
-    import cutlass
-    from cutlass import Int32
-    from flash_attn.cute.tile_scheduler import StaticPersistentTileScheduler
-
-    class _StaticPersistent(StaticPersistentTileScheduler):
-        @staticmethod
-        def get_grid_shape(params, *, loc=None, ip=None):
-            return (cutlass.min(num_sms, params.total_blocks_cluster), Int32(1), Int32(1))
-
-    return _StaticPersistent
-
-
-@contextlib.contextmanager
-def _scheduler_for(key: Fp32Key):
-    """While ``key``'s kernel compiles: FA4's sm90 ``__call__`` picks ``SingleTileScheduler`` (a
-    module global of flash_fwd_sm90) for unmasked blocks, and its kernel's tile loops already walk
-    any scheduler's tiles; for a persistent key that global names :func:`_persistent_scheduler`'s
-    class during the compile (FA4's code unchanged, nothing else is compiling then)."""
-    if not key.persistent_sms:
-        yield
-        return
-    from flash_attn.cute import flash_fwd_sm90
-
-    stock = flash_fwd_sm90.SingleTileScheduler
-    flash_fwd_sm90.SingleTileScheduler = _persistent_scheduler(key.persistent_sms)
-    try:
-        yield
-    finally:
-        flash_fwd_sm90.SingleTileScheduler = stock
-
-
 def _make_kernel(key: Fp32Key) -> Any:
     from flash_attn.cute import utils
     from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
@@ -238,8 +186,7 @@ def _compile(key: Fp32Key, q, k, v, o, lse, scale, wl, wr, max_seqlen_q) -> Comp
     args = _kernel_args(key.arch, tq, tk, tv, to_cute_tensor(o, assumed_align=16),
                         to_cute_tensor(lse, assumed_align=4), scale, wl, wr, max_seqlen_q)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    with _scheduler_for(key):
-        return Compiled(key, kernel, cute.compile(kernel, *args, stream, options="--enable-tvm-ffi"))
+    return Compiled(key, kernel, cute.compile(kernel, *args, stream, options="--enable-tvm-ffi"))
 
 
 def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], q: torch.Tensor, align: int) -> None:
@@ -295,7 +242,7 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, me
         raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}")
 
     from flash_attn.cute import interface
-    from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, get_num_sms_for_selection, maybe_contiguous
+    from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous
     from flash_attn.cute.testing import is_fake_mode
 
     arch = interface._get_device_arch() if arch is None else arch
@@ -333,9 +280,7 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, me
                   has_window_left=wl is not None, has_window_right=wr is not None,
                   softcap=float(softcap) if softcap else None, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
                   q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
-                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge,
-                  persistent_sms=get_num_sms_for_selection(q.device.index or 0, arch) if (
-                      arch // 10 == 9 and not causal and not local and persistent_tiles()) else 0)
+                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge)
     split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
     o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
     if key not in _CACHE:
