@@ -1,7 +1,6 @@
 """What the ring's forward kernel costs over FA4's own, per block shape of a zigzag ring at 64k,
 P = 8 (h = 32, d = 128, bf16): FA4's forward (bf16 out, TMA store), our fp32-output forward
-(kernels/fa4_fp32.py: a float32 sO and a TMA store; ``registers``: the first version, stores
-straight from the MMA registers), and the merging forward (kernels/fa4_merge.py)
+(kernels/fa4_fp32.py: stores fp32 from registers), and the merging forward (kernels/fa4_merge.py)
 in two builds: ``inline`` (the first version: the accumulator read row by row after the (M, S)
 writes) and ``hoisted`` (the default: every load of the epilogue issued before any store). All
 in one process, rotating over 3 input sets; each merge runs into its own
@@ -45,16 +44,6 @@ def _sets(s_q: int, s_k: int, h: int, d: int, n: int = 3):
     return out
 
 
-def _use_store(tma: bool) -> None:
-    """The fp32-output forward's epilogue: a TMA store from a float32 sO (default) or stores from
-    registers (the first version); only the cache entries of that forward are rebuilt."""
-    if fa4_fp32._TMA_STORE == tma:
-        return
-    fa4_fp32._TMA_STORE = tma
-    for key in [k for k in fa4_fp32._CACHE if not k.merge]:
-        del fa4_fp32._CACHE[key]
-
-
 def _use_build(hoist: bool) -> None:
     """Rebuild the merging class as asked (the compile cache keeps no such key)."""
     fa4_merge._HOIST_LOADS = hoist
@@ -66,15 +55,14 @@ def _use_build(hoist: bool) -> None:
 def _impls(causal: bool, scale: float) -> dict:
     from flash_attn.cute.interface import flash_attn_func
 
-    def store(q, k, v, acc, planes):
-        return fa4_forward_fp32(q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0])
-
     def merge(q, k, v, acc, planes):
         return fa4_forward_merge_(q, k, v, acc, planes, causal=causal, softmax_scale=scale)
 
     return {
         "fa4 (bf16 out)": lambda q, k, v, acc, planes: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale),
-        "fp32 store": store, "fp32 store (registers)": store, "merge inline": merge, "merge hoisted": merge,
+        "fp32 store": lambda q, k, v, acc, planes: fa4_forward_fp32(
+            q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0]),
+        "merge inline": merge, "merge hoisted": merge,
     }
 
 
@@ -100,7 +88,6 @@ def main() -> None:
         for impl, fn in impls.items():
             if impl in builds:
                 _use_build(builds[impl])
-            _use_store(impl != "fp32 store (registers)")
             ms = median_ms(fn, sets, rep=300)
             base = ms if base is None else base
             row = {"shape": name, "s_q": s_q, "s_k": s_k, "causal": causal, "h": h, "d": d, "impl": impl,

@@ -32,8 +32,9 @@
 #   persist   (a tried variant: first `git apply benchmarks/results/fa4_persistent_tried.patch`) the fp32 / merging
 #             forwards of unmasked blocks as persistent kernels (RINGFA4_FA4_PERSISTENT=1): GPU tests, kernel costs
 #             per block shape (persistent next to one CTA a tile), ring_sim executor (~7 min)
-#   tma       the fp32-output forward storing O through a float32 sO and TMA: GPU tests, kernel costs per block
-#             shape (TMA against the register stores) (~5 min)
+#   tma       (a tried variant: first `git apply benchmarks/results/fa4_fp32_tma_store_tried.patch`) the fp32-output
+#             forward storing O through a float32 sO and TMA: GPU tests, kernel costs per block shape (TMA against
+#             the register stores) (~5 min)
 #   settle    ring_sim at the executor level with today's defaults, 15 rounds, hops that copy nothing and with copies
 #   paired    the merging forward's cost per block shape with two ring steps in one call (8k x 8k, 4k x 16k) next
 #             to today's shapes, then `close` (~8 min)
@@ -150,7 +151,7 @@ case "${1:-}" in
         --out "$out/ring_sim_64k_p8_persistent_$hops.json" 2>&1 | grep "^| 64k"
     done
     ;;
-  tma)  # the fp32-output forward's O through a float32 sO and a TMA store (fa4_fp32._TMA_STORE)
+  tma)  # with fa4_fp32_tma_store_tried.patch applied: O through a float32 sO and a TMA store
     timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
       | grep -E "passed|failed|^E " | head -20
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_tma.json" 2>&1 | grep "^|"

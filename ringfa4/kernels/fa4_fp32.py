@@ -11,12 +11,9 @@ configured (not copied) so that ``out`` stays float32:
   pipeline keeps its stages. A split with no key (a whole query tile fully masked) writes
   ``lse = -inf`` but leaves O untouched, so rows that see no key are zeroed here afterwards.
 * **sm90** (Hopper): ``_Sm90Fp32Out`` subclasses ``FlashAttentionForwardSm90``: ``_check_type``
-  accepts a float32 O, FA4's ``__call__`` then builds its TMA store atom for the float32 O (the sO
-  layout follows O's dtype), and ``epilogue`` writes the normalized fp32 accumulator into a float32
-  sO over the smem of sQ and sK's first stage (free after the tile's last QK GEMM), which one TMA
-  store writes out (rows and columns past O's end clipped by the tensor map); the lse goes out as the
-  base class writes it. ``_TMA_STORE = False`` stores from registers straight to global memory
-  instead (the first version). No pack-GQA.
+  accepts a float32 O, ``use_tma_O`` is pinned to False (no TMA store from the bf16 sO that reuses
+  Q's smem), and ``epilogue`` stores the normalized fp32 accumulator straight from registers to
+  global memory (row / head-dim predicated), plus the lse exactly as the base class does. No pack-GQA.
 
 Shapes and dtypes: dense ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (h % h_kv == 0)
 -> ``out (b, s_q, h, d)`` float32, ``lse (b, h, s_q)`` float32 (natural log). Causal is bottom-right
@@ -40,9 +37,6 @@ import torch
 __all__ = ["Compiled", "Fp32Key", "compile_only", "fa4_forward_fp32"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
-# sm90: O leaves through a float32 smem tile and a TMA store; False: straight from the MMA registers
-# (the first version). Read when the class is built (benchmarks/fa4_merge_epilogue.py times both).
-_TMA_STORE = True
 
 
 @dataclass(frozen=True)
@@ -68,23 +62,27 @@ class Fp32Key:
     merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4_merge.py)
 
 
+# Tried on the H200 and dropped (benchmarks/fa4_merge_epilogue.py, 64k ring block shapes; the code
+# is in benchmarks/results/*_tried.patch, outputs bit-identical in the GPU tests):
+# - O through a float32 sO (over sQ and sK's first stage) and FA4's TMA store, whose atom FA4 builds
+#   for a float32 O: +3.9 / +2.4 / +1.7% over FA4 (8k x 4k, 4k x 8k, 8k causal) against +2.6 / +2.4 /
+#   +1.5% for these register stores, same process (fa4_merge_epilogue_tma_h200.json);
+# - unmasked blocks launched persistent (FA4's StaticPersistentTileScheduler, one CTA per SM): the
+#   fp32 store 0.3-1.1 points cheaper, the merging forward 7-10 points dearer
+#   (fa4_merge_epilogue_persistent_h200.json).
 @functools.cache
 def _sm90_class() -> type:
     """``FlashAttentionForwardSm90`` with an fp32-O epilogue (flash_attn imported lazily)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
-    from cutlass.utils import LayoutEnum
-    from flash_attn.cute import copy_utils
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
-    from flash_attn.cute.named_barrier import NamedBarrierFwd
-    from quack import layout_utils, sm90_utils
+    from quack import layout_utils
 
     class _Sm90Fp32Out(FlashAttentionForwardSm90):
-        # FlashAttentionForwardSm90.__call__ assigns use_tma_O = use_tma_Q; the assignment is ignored.
-        # With _TMA_STORE its __call__ builds the TMA store atom over the float32 O (its sO_layout
-        # follows O's dtype) and hands the kernel the atom's coordinate tensor as mO.
-        use_tma_O = property(lambda self: _TMA_STORE, lambda self, value: None)
+        # FlashAttentionForwardSm90.__call__ assigns use_tma_O = use_tma_Q; O never goes through TMA
+        # here (its sO is bf16 and reuses Q's smem, too small for fp32), so the assignment is ignored.
+        use_tma_O = property(lambda self: False, lambda self, value: None)
 
         def _check_type(self, mQ_type, mK_type, mV_type, mO_type, *rest):
             if const_expr(mO_type != Float32):
@@ -116,21 +114,12 @@ def _sm90_class() -> type:
             return layout_utils.reshape_acc_to_mn(thr_mma.partition_C(gO))
 
         @cute.jit
-        def smem_o_fp32(self, sO):
-            """A float32 (tile_m, tile_hdimv) tile in FA4's swizzled sO layout for that dtype, over the
-            smem of sQ and sK's first stage (``sO`` is FA4's view at sQ's start; sK follows sQ in FA4's
-            storage when Q is not kept in registers). Free once every MMA thread is past its last
-            QK GEMM: the CTA runs a single tile, so no Q or K load comes after that."""
-            assert not self.Q_in_regs
-            width = self.dtype.width // 8
-            assert self.tile_m * self.tile_hdim * width + self.num_stages * self.tile_n * self.tile_hdim * width >= \
-                self.tile_m * self.tile_hdimv * 4, "sQ + sK cannot hold a float32 O tile"
-            layout = sm90_utils.make_smem_layout(Float32, LayoutEnum.ROW_MAJOR, (self.tile_m, self.tile_hdimv))
-            ptr = cute.make_ptr(Float32, sO.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024)
-            return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, Float32), layout.outer)
-
-        @cute.jit
-        def store_lse(self, lse, mLSE, seqlen, thr_mma, tOcO, t0OcO, rows_left, m_block, head_idx, batch_idx):
+        def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
+                     tidx, m_block, head_idx, batch_idx):
+            # acc_O is already normalized (softmax.finalize + rescale_O); lse holds the row lse.
+            # Nothing goes through smem, so no barrier is needed (the CTA runs a single tile).
+            assert not self.pack_gqa
+            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
             if const_expr(mLSE is not None):  # one thread per row (the one holding column 0) writes
                 tOgLSE, _ = self.row_tensor(thr_mma, mLSE, seqlen, m_block, head_idx, batch_idx)
                 assert cute.size(tOgLSE, mode=[0]) == cute.size(lse)
@@ -138,47 +127,16 @@ def _sm90_class() -> type:
                     for m in cutlass.range_constexpr(cute.size(tOgLSE, mode=[0])):
                         if t0OcO[m, 0][0] < rows_left:
                             tOgLSE[m, 0] = lse[m]
-
-        @cute.jit
-        def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
-                     tidx, m_block, head_idx, batch_idx):
-            # acc_O is already normalized (softmax.finalize + rescale_O); lse holds the row lse.
-            assert not self.pack_gqa
-            thr_mma, tOcO, t0OcO, rows_left = self.thread_rows(tiled_mma, tidx, m_block, seqlen)
-            if const_expr(self.use_tma_O):
-                # registers -> the float32 sO -> one TMA store (rows / columns past O's end are clipped
-                # by the tensor map): the CTA leaves once the TMA has read sO
-                cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
-                sO32 = self.smem_o_fp32(sO)
-                atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-                smem_copy = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
-                cute.copy(atom, smem_copy.retile(acc_O), smem_copy.partition_D(sO32))
-                self.store_lse(lse, mLSE, seqlen, thr_mma, tOcO, t0OcO, rows_left, m_block, head_idx, batch_idx)
-                cute.arch.fence_view_async_shared()
-                both = self.num_epilogue_threads + cute.arch.WARP_SIZE
-                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=both)
-                mO_cur = seqlen.offset_batch_Q(mO, batch_idx, dim=3)[None, None, head_idx]
-                gO = cute.local_tile(mO_cur, (self.tile_m, self.tile_hdimv), (m_block, 0))
-                store_O, _, _ = copy_utils.tma_get_copy_fn(tma_atom_O, 0, cute.make_layout(1), sO32, gO,
-                                                           single_stage=True)
-                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:  # the first MMA warp
-                    cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=both)
-                    store_O()
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            else:
-                # straight from registers to global memory: nothing goes through smem, no barrier
-                self.store_lse(lse, mLSE, seqlen, thr_mma, tOcO, t0OcO, rows_left, m_block, head_idx, batch_idx)
-                tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
-                tOrO = layout_utils.reshape_acc_to_mn(acc_O)
-                for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
-                    if t0OcO[m, 0][0] < rows_left:
-                        if const_expr(not self.check_hdim_v_oob):
-                            cute.autovec_copy(tOrO[m, None], tOgO[m, None])
-                        else:
-                            for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-                                if tOcO[m, n][1] < mO.shape[1]:
-                                    tOgO[m, n] = tOrO[m, n]
+            tOgO = self.o_tile(thr_mma, mO, seqlen, m_block, head_idx, batch_idx)
+            tOrO = layout_utils.reshape_acc_to_mn(acc_O)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
+                if t0OcO[m, 0][0] < rows_left:
+                    if const_expr(not self.check_hdim_v_oob):
+                        cute.autovec_copy(tOrO[m, None], tOgO[m, None])
+                    else:
+                        for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                            if tOcO[m, n][1] < mO.shape[1]:
+                                tOgO[m, n] = tOrO[m, n]
 
     return _Sm90Fp32Out
 

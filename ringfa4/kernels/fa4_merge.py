@@ -80,9 +80,6 @@ def _sm90_merge_class() -> type:
     log2_e = math.log2(math.e)
 
     class _Sm90MergeOut(_sm90_class()):
-        # the merge reads and writes the accumulator in gmem, so mO must be the tensor itself
-        use_tma_O = property(lambda self: False, lambda self, value: None)
-
         @cute.jit
         def epilogue(self, acc_O, lse, mO, mLSE, sO, seqlen, gmem_tiled_copy_O, tma_atom_O, tiled_mma,
                      tidx, m_block, head_idx, batch_idx):
