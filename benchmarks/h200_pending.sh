@@ -60,6 +60,18 @@
 set -uo pipefail
 out=${OUT:-bench_results}
 mkdir -p "$out"
+
+merge_gpu_tests() {  # the fp32 / merging forward's and the ring's GPU tests, a summary line
+  timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
+    | grep -E "passed|failed|^E " | head -20
+}
+
+ring_exec() {  # ring_sim at the executor level, 64k, P = 8, causal; $1: JSON tag, $2: hops, rest: its options
+  local tag=$1 hops=$2
+  shift 2
+  python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops "$hops" "$@" \
+    --out "$out/ring_sim_64k_p8_${tag}_$hops.json" 2>&1 | grep "^| 64k"
+}
 case "${1:-}" in
   kernels)
     python3 -m pytest -m gpu -q tests/test_fa4_bwd_accum.py tests/test_ring_gpu.py tests/test_cute_combine.py \
@@ -118,13 +130,9 @@ case "${1:-}" in
     python3 benchmarks/hop_overlap.py --out "$out/hop_overlap.json" 2>&1 | grep "^|"
     ;;
   hoist)
-    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
-      | grep -E "passed|failed|^E " | head -20
+    merge_gpu_tests
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue.json" 2>&1 | grep "^|"
-    for hops in copy none; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
-        --out "$out/ring_sim_64k_p8_hoist_$hops.json" 2>&1 | grep "^| 64k"
-    done
+    for hops in copy none; do ring_exec hoist $hops; done
     ;;
   qring)
     timeout 330 python3 -m pytest -m gpu -q tests/test_ring_gpu.py 2>&1 | grep -E "passed|failed|^E " | head -20
@@ -137,47 +145,32 @@ case "${1:-}" in
     ;;
   sizes)
     python3 benchmarks/hop_overlap.py --sizes 0.25,0.5,1,2 --out "$out/hop_overlap_sizes.json" 2>&1 | grep "^|"
-    for hops in copy none; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
-        --out "$out/ring_sim_64k_p8_final_$hops.json" 2>&1 | grep "^| 64k"
-    done
+    for hops in copy none; do ring_exec final $hops; done
     ;;
   persist)  # with fa4_persistent_tried.patch applied: unmasked blocks' forwards as persistent kernels
-    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
-      | grep -E "passed|failed|^E " | head -20
+    merge_gpu_tests
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_persistent.json" 2>&1 | grep "^|"
-    for hops in none copy; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
-        --out "$out/ring_sim_64k_p8_persistent_$hops.json" 2>&1 | grep "^| 64k"
-    done
+    for hops in none copy; do ring_exec persistent $hops; done
     ;;
   tma)  # with fa4_fp32_tma_store_tried.patch applied: O through a float32 sO and a TMA store
-    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
-      | grep -E "passed|failed|^E " | head -20
+    merge_gpu_tests
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_tma.json" 2>&1 | grep "^|"
     ;;
   settle)  # today's defaults with three times the rounds, to narrow the medians against the 5% targets
-    for hops in none copy; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops --rounds 15 \
-        --out "$out/ring_sim_64k_p8_settle_$hops.json" 2>&1 | grep "^| 64k"
-    done
+    for hops in none copy; do ring_exec settle $hops --rounds 15; done
     ;;
   paired)  # what the merging forward costs per call when two ring steps share one call
     python3 benchmarks/fa4_merge_epilogue.py --shapes paired --out "$out/fa4_merge_epilogue_paired.json" 2>&1 | grep "^|"
     ;&
   close)
-    for hops in none copy; do
-      python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor --hops $hops \
-        --out "$out/ring_sim_64k_p8_close_$hops.json" 2>&1 | grep "^| 64k"
-    done
+    for hops in none copy; do ring_exec close $hops; done
     python3 benchmarks/ring_precision.py --worlds 8,32 --out "$out/ring_precision_close.json" 2>&1 | tail -4
     ;;
   ncu)
     bash benchmarks/ncu_merge_epilogue.sh 2>&1 | tail -60
     ;;
   async)
-    timeout 300 python3 -m pytest -m gpu -q tests/test_fa4_fp32.py tests/test_ring_gpu.py 2>&1 \
-      | grep -E "passed|failed|^E " | head -20
+    merge_gpu_tests
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_async16.json" 2>&1 | grep "^|"
     bash benchmarks/ncu_merge_epilogue.sh 2>&1 | grep -E "Duration|section|after" | head
     ;;
