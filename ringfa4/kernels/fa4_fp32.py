@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .spec import AttnSpec
+
 __all__ = ["Compiled", "Fp32Key", "compile_only", "fa4_forward_fp32"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -63,7 +65,7 @@ class Fp32Key:
 
 
 # Tried on the H200 and dropped (benchmarks/fa4_merge_epilogue.py, 64k ring block shapes; the code
-# is in benchmarks/results/*_tried.patch, outputs bit-identical in the GPU tests):
+# is in benchmarks/results/*_tried.patch; both passed the GPU tests, the persistent one bit for bit):
 # - O through a float32 sO (over sQ and sK's first stage) and FA4's TMA store, whose atom FA4 builds
 #   for a float32 O: +3.9 / +2.4 / +1.7% over FA4 (8k x 4k, 4k x 8k, 8k causal) against +2.6 / +2.4 /
 #   +1.5% for these register stores, same process (fa4_merge_epilogue_tma_h200.json);
@@ -162,14 +164,27 @@ def _make_kernel(key: Fp32Key) -> Any:
                                       **common)
 
 
-def _kernel_args(arch: int, q, k, v, o, lse, scale, wl, wr, max_seqlen_q) -> list:
+@dataclass(frozen=True)
+class _Launch:
+    """A launch's runtime scalars besides the tensors: the softmax scale, FA4's window sizes (None:
+    unbounded) and s_q."""
+
+    softmax_scale: float
+    window_left: int | None
+    window_right: int | None
+    max_seqlen_q: int
+
+
+def _kernel_args(arch: int, tensors: tuple, launch: _Launch) -> list:
     """The positional arguments after the kernel object, as FA4's interface passes them (dense, no
-    varlen / paged KV / sink / block sparsity / aux tensors; the env stream stays implicit)."""
+    varlen / paged KV / sink / block sparsity / aux tensors; the env stream stays implicit);
+    ``tensors`` = (q, k, v, o, lse)."""
     from flash_attn.cute.utils import AuxData
 
-    args = [q, k, v, o, lse, scale, None, None, None, None, None, wl, wr, None]
+    args = [*tensors, launch.softmax_scale, None, None, None, None, None, launch.window_left, launch.window_right,
+            None]
     if arch // 10 in (10, 11):
-        return args + [None, None, AuxData(None, None)] + [None] * 7 + [max_seqlen_q]
+        return args + [None, None, AuxData(None, None)] + [None] * 7 + [launch.max_seqlen_q]
     return args + [None, AuxData(None, None), None, None]
 
 
@@ -185,14 +200,15 @@ class Compiled(NamedTuple):
 _CACHE: dict[Fp32Key, Compiled] = {}
 
 
-def _compile(key: Fp32Key, q, k, v, o, lse, scale, wl, wr, max_seqlen_q) -> Compiled:
+def _compile(key: Fp32Key, tensors: tuple, launch: _Launch) -> Compiled:
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
     kernel = _make_kernel(key)
-    tq, tk, tv = (to_cute_tensor(t) for t in (q, k, v))
-    args = _kernel_args(key.arch, tq, tk, tv, to_cute_tensor(o, assumed_align=16),
-                        to_cute_tensor(lse, assumed_align=4), scale, wl, wr, max_seqlen_q)
+    q, k, v, o, lse = tensors
+    cute_tensors = (*(to_cute_tensor(t) for t in (q, k, v)), to_cute_tensor(o, assumed_align=16),
+                    to_cute_tensor(lse, assumed_align=4))
+    args = _kernel_args(key.arch, cute_tensors, launch)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return Compiled(key, kernel, cute.compile(kernel, *args, stream, options="--enable-tvm-ffi"))
 
@@ -229,13 +245,22 @@ def fa4_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 -> ``out (b, s_q, h, d)`` float32,
     ``lse (b, h, s_q)`` float32, through FA4's sm90 / sm100 forward kernels (see the module doc).
     ``out`` / ``lse``: optional preallocated (strided, last-dim stride 1) float32 outputs."""
-    out, lse, _ = _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, None)
+    out, lse, _ = _forward(q, k, v, _spec(causal, softmax_scale, window, softcap), out, lse)
     return out, lse
 
 
-def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, merge: bool = False):
-    """fa4_forward_fp32, also returning the cache key (None when nothing ran). ``merge``: out and lse
-    are the accumulator and running-lse plane of :func:`.fa4_merge.fa4_forward_merge_` (required)."""
+def _spec(causal: bool, softmax_scale: float, window: tuple[int | None, int | None], softcap: float) -> AttnSpec:
+    """The call's mask options as one frozen spec (windows: -1 read as None, others must be >= 0)."""
+    try:
+        return AttnSpec(causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap)
+    except ValueError as exc:
+        raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}: {exc}") from exc
+
+
+def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None, merge: bool = False):
+    """fa4_forward_fp32 for ``spec`` (causal, softmax_scale, window, softcap), also returning the
+    cache key (None when nothing ran). ``merge``: out and lse are the accumulator and running-lse
+    plane of :func:`.fa4_merge.fa4_forward_merge_` (required)."""
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -245,9 +270,8 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, me
     s_k, h_kv = k.shape[1], k.shape[2]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"h={h} must be a multiple of h_kv={h_kv}")
-    wl, wr = (None if w == -1 else w for w in window)  # -1: FlashAttention's "unbounded"
-    if any(w is not None and w < 0 for w in (wl, wr)):
-        raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}")
+    wl, wr = spec.window
+    softmax_scale, softcap = spec.scale(d), spec.softcap
 
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous
@@ -279,7 +303,7 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, me
         lse.fill_(-math.inf)
         return out, lse, None
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
-    causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
+    causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
     cfg = interface._get_fwd_config(
         arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=s_q, max_seqlen_k=s_k, num_head_kv=h_kv,
         qhead_per_kvhead=h // h_kv, pack_gqa=False, batch_size=b, causal=causal, local=local,
@@ -291,11 +315,11 @@ def _forward(q, k, v, causal, softmax_scale, window, softcap, out, lse, arch, me
                   broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge)
     split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
     o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
+    launch = _Launch(softmax_scale, wl, wr, s_q)
     if key not in _CACHE:
-        _CACHE[key] = _compile(key, q, k, v, o_k, lse_k, softmax_scale, wl, wr, s_q)
+        _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch)
     if not is_fake_mode():
-        _CACHE[key].fn(*_kernel_args(arch, q.detach(), k.detach(), v.detach(), o_k.detach(), lse_k.detach(),
-                                     softmax_scale, wl, wr, s_q))
+        _CACHE[key].fn(*_kernel_args(arch, tuple(t.detach() for t in (q, k, v, o_k, lse_k)), launch))
         if split:  # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
             for lo, hi in _empty_rows(s_q, s_k, causal, wl, wr):
                 out[:, lo:hi].zero_()
@@ -324,5 +348,6 @@ def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim:
         out = torch.empty(b, s_q, h, head_dim, dtype=torch.float32, device="cuda") if merge else None
         planes = torch.empty(b, h, 2, s_q, dtype=torch.float32, device="cuda")
         run = planes.narrow(2, 0, 1).squeeze(2) if merge else None  # narrow: [] needs CUDA on fake tensors
-        _, _, key = _forward(q, kv, kv, causal, head_dim ** -0.5, window, softcap, out, run, arch_num, merge=merge)
+        spec = _spec(causal, head_dim ** -0.5, window, softcap)
+        _, _, key = _forward(q, kv, kv, spec, out, run, arch_num, merge=merge)
     return _CACHE[key]

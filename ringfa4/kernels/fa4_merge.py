@@ -176,8 +176,8 @@ def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_ac
     :func:`.fa4_fp32.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the
     running ``planes (b, h, 2, s_q)`` float32 (M, S) in place (see the module doc). Returns
     ``planes``."""
-    from .fa4_fp32 import _forward
+    from .fa4_fp32 import _forward, _spec
 
     check_planes(planes, q)
-    _forward(q, k, v, causal, softmax_scale, window, softcap, out_acc, planes[:, :, 0], None, merge=True)
+    _forward(q, k, v, _spec(causal, softmax_scale, window, softcap), out_acc, planes[:, :, 0], merge=True)
     return planes  # a block that ran nothing (no rows, or no keys) adds nothing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import struct
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from ..kernels.validate import validate_block
 from .executor import dkv_groups, dkv_wire_fp32, fp32_grads
 from .layouts import Layout
 
-__all__ = ["check_local", "exchange_and_check", "peer_failure", "post_error"]
+__all__ = ["CPGroup", "check_local", "exchange_and_check", "peer_failure", "post_error"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
@@ -87,10 +88,21 @@ def _describe(name: str, vals: list[int]):
     return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0]) if name == "layout" else vals[0]
 
 
-def exchange_and_check(group, rank: int, world: int, error: str | None, q, k, v, spec: AttnSpec,
-                       layout: Layout, timeout: datetime.timedelta, packing: int = 0) -> None:
-    """All-gather a fixed-size metadata vector (and an error flag); raise the same ValueError on
-    every rank if any rank failed its local checks or the ranks disagree."""
+class CPGroup(Protocol):
+    """What the check needs of a context-parallel group (``ContextParallel`` has it)."""
+
+    group: Any
+    rank: int
+    world_size: int
+    layout: Layout
+    timeout: datetime.timedelta
+
+
+def exchange_and_check(cp: CPGroup, error: str | None, q, k, v, spec: AttnSpec, packing: int = 0) -> None:
+    """All-gather a fixed-size metadata vector (and an error flag) over ``cp.group``; raise the same
+    ValueError on every rank if any rank failed its local checks or the ranks disagree (each
+    collective waits at most ``cp.timeout``)."""
+    group, rank, world, layout, timeout = cp.group, cp.rank, cp.world_size, cp.layout, cp.timeout
     n = 1 + sum(_FIELD_SIZES)
     payload = None
     if error is None:

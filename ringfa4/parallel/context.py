@@ -217,7 +217,7 @@ class ContextParallel:
             if error:
                 raise ValueError(error)
             return
-        exchange_and_check(self.group, self.rank, self.world_size, error, q, k, v, spec, self.layout, self.timeout)
+        exchange_and_check(self, error, q, k, v, spec)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                   packing: Pack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,8 +423,8 @@ class Pack:
                 raise ValueError(error)
             return
         total = self.packing.total
-        exchange_and_check(cp.group, cp.rank, cp.world_size, error, *(_Shaped(t, total) for t in (q, k, v)),
-                           spec, cp.layout, cp.timeout, packing=hash(self.packing.cu) & ((1 << 62) - 1))
+        exchange_and_check(cp, error, *(_Shaped(t, total) for t in (q, k, v)), spec,
+                           packing=hash(self.packing.cu) & ((1 << 62) - 1))
 
 
 class _Shaped:

@@ -14,6 +14,7 @@ A sink offers ``groups``, ``in_place``, ``zeros`` / ``empty`` (a group's travell
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,7 @@ from .ring_buffers import KVBuffers, acc_dtype, cap_of
 if TYPE_CHECKING:
     from .executor import RingRun
 
-__all__ = ["AccumGradSink", "BlockGradSink", "DenseGrads", "grad_sink"]
+__all__ = ["AccumGradSink", "BlockGradSink", "DenseGrads", "HeadGroups", "grad_sink"]
 
 
 class BlockGradSink:
@@ -71,19 +72,32 @@ class BlockGradSink:
         return dks, dvs
 
 
+@dataclass(frozen=True)
+class HeadGroups:
+    """The kv-head groups dK/dV travel in: ``heads[g]`` = group g's ``(start, stop)`` kv heads,
+    ``layouts[g]`` its accumulator layout, ``states[g]`` the per-rank AccumBackward states of its
+    q heads."""
+
+    states: list[list]
+    layouts: list
+    heads: list[tuple[int, int]]
+
+
 class AccumGradSink:
     """dK/dV through the backend's AccumBackward states (block gradients never rounded), in the
-    ``layouts`` of ``len(heads)`` kv-head groups (``heads``: their ``(start, stop)``; ``states[g]``
-    the per-rank states of group g's q heads). In place: blocks add straight into the travelling
-    buffer; else into a zeroed fp32 scratch that is added to the buffer after the hop."""
+    kv-head ``groups`` (:class:`HeadGroups`); ``full``: the per-rank states over all heads;
+    ``inputs``: the per-rank (qs, ks, vs). In place: blocks add straight into the travelling buffer;
+    else into a zeroed fp32 scratch that is added to the buffer after the hop."""
 
-    def __init__(self, run: RingRun, full: list, states: list[list], layouts: list, heads: list[tuple[int, int]],
-                 in_place: bool, qs, ks, vs, dtype: torch.dtype) -> None:
-        self.run, self.full, self.states, self.layouts, self.heads = run, full, states, layouts, heads
-        self.in_place, self.groups, self.dtype = in_place, len(layouts), dtype
-        self.qs, self.ks, self.vs = qs, ks, vs
-        acc = acc_dtype(qs[0])
-        self.scratch = None if in_place else [torch.empty(layouts[0].numel, dtype=acc, device=k.device) for k in ks]
+    def __init__(self, run: RingRun, full: list, groups: HeadGroups, in_place: bool, inputs: tuple[list, list, list],
+                 dtype: torch.dtype) -> None:
+        self.run, self.full, self.in_place, self.dtype = run, full, in_place, dtype
+        self.states, self.layouts, self.heads = groups.states, groups.layouts, groups.heads
+        self.groups = len(groups.layouts)
+        self.qs, self.ks, self.vs = inputs
+        acc = acc_dtype(self.qs[0])
+        self.scratch = None if in_place else [torch.empty(self.layouts[0].numel, dtype=acc, device=k.device)
+                                              for k in self.ks]
 
     def zeros(self, g: int, device) -> torch.Tensor:
         return torch.zeros(self.layouts[g].numel, dtype=self.dtype, device=device)
@@ -172,8 +186,8 @@ def grad_sink(run: RingRun, douts, qs, ks, vs, outs, lses, states: list | None =
         cap = cap_of(run, ks[0])
         layouts = [grp[0].kv_layout(ks[0].narrow(2, a, b - a), cap) for grp, (a, b) in zip(groups, heads)]
         if all(lay is not None and lay.align == layout.align for lay in layouts):
-            return AccumGradSink(run, states, groups, layouts, heads, True, qs, ks, vs, wire)
-    return AccumGradSink(run, states, [states], [layout], [(0, h_kv)], False, qs, ks, vs, wire)
+            return AccumGradSink(run, states, HeadGroups(groups, layouts, heads), True, (qs, ks, vs), wire)
+    return AccumGradSink(run, states, HeadGroups([states], [layout], [(0, h_kv)]), False, (qs, ks, vs), wire)
 
 
 def _grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: KVBuffers):
