@@ -35,6 +35,7 @@
 #   tma       (a tried variant: first `git apply benchmarks/results/fa4_fp32_tma_store_tried.patch`) the fp32-output
 #             forward storing O through a float32 sO and TMA: GPU tests, kernel costs per block shape (TMA against
 #             the register stores) (~5 min)
+#   verify2   the fp32 / merging forward's and the ring's GPU tests alone (~4 min)
 #   settle    ring_sim at the executor level with today's defaults, 15 rounds, hops that copy nothing and with copies
 #   paired    the merging forward's cost per block shape with two ring steps in one call (8k x 8k, 4k x 16k) next
 #             to today's shapes, then `close` (~8 min)
@@ -155,6 +156,9 @@ case "${1:-}" in
   tma)  # with fa4_fp32_tma_store_tried.patch applied: O through a float32 sO and a TMA store
     merge_gpu_tests
     python3 benchmarks/fa4_merge_epilogue.py --out "$out/fa4_merge_epilogue_tma.json" 2>&1 | grep "^|"
+    ;;
+  verify2)  # after a refactor of the fp32 / merging forward's and the backward sink's arguments
+    merge_gpu_tests
     ;;
   settle)  # today's defaults with three times the rounds, to narrow the medians against the 5% targets
     for hops in none copy; do ring_exec settle $hops --rounds 15; done
