@@ -250,11 +250,9 @@ def fa4_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
 
 def _spec(causal: bool, softmax_scale: float, window: tuple[int | None, int | None], softcap: float) -> AttnSpec:
-    """The call's mask options as one frozen spec (windows: -1 read as None, others must be >= 0)."""
-    try:
-        return AttnSpec(causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap)
-    except ValueError as exc:
-        raise ValueError(f"window sizes must be >= 0, None or -1 (unbounded), got {window}: {exc}") from exc
+    """The call's options as one frozen spec; its checks raise ValueError (window sizes >= 0, None or
+    -1 = unbounded; softmax_scale > 0; softcap >= 0)."""
+    return AttnSpec(causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap)
 
 
 def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None, merge: bool = False):
