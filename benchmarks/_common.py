@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import ringfa4
 
 
@@ -60,17 +62,11 @@ def interleaved_ms(fns: dict, sets, rounds: int = 5, rep: int = 200, measure=Non
             if k >= discard:
                 out[name]["rounds"].append(t)
     for v in out.values():
-        v["ms"] = _median(v["rounds"])
+        v["ms"] = statistics.median(v["rounds"])
     return out
 
 
 def ratio(timed: dict, a: str, b: str) -> dict:
     """Median, min and max over the rounds of :func:`interleaved_ms` of time(a) / time(b)."""
     per = [x / y for x, y in zip(timed[a]["rounds"], timed[b]["rounds"], strict=True)]
-    return {"median": _median(per), "min": min(per), "max": max(per)}
-
-
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+    return {"median": statistics.median(per), "min": min(per), "max": max(per)}
