@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The GPU runs a reviewer repeats, one stage a call (each fits a 10-minute device call unless noted):
+#
+#   bash benchmarks/gpu.sh STAGE [PART]
+#
+#   tests     the GPU test suite (pytest -m gpu; extra arguments go to pytest, e.g. a file to split it) (~10 min)
+#   kernels   block kernels vs sdpa and FA4 direct (kernels.py), fused merges (merge.py), the ring's forward kernels
+#             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
+#   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
+#   packed    packed documents (varlen_sim.py: ring vs all-gather) and Ulysses x ring (ulysses_sim.py) (~4 min)
+#   host      where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and whether hops hide behind the
+#             kernels (hop_overlap.py) (~3 min)
+#   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
+#             peak-memory formula's refit (memory_formula.py) and the plot (~5 min); PART 32k: 32 layers, plain
+#             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
+#   recipe    PART dry (default): hf_llama8b.py (ringfa4 vs sdpa on the Llama-3.1-8B shape) and the recipes'
+#             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
+#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one and weak scaling against PyTorch's
+#             context_parallel + cuDNN, torchrun on 2 GPUs (~4 min)
+#
+# Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-h200}.json (the names
+# kept in benchmarks/results). The library's defaults are RingOptions' (ringfa4/options.py); nothing here sets
+# RINGFA4_*. To compare a variant, set the variable (the benchmarks read it through RingOptions.from_env()) and a
+# VARIANT tag for the file names, e.g.
+#   VARIANT=kv_ring RINGFA4_BWD_RING=kv bash benchmarks/gpu.sh ring
+# Set-up on the device: pip install -e ".[gpu]" (or the wheels carried there); `python3` must import torch.
+set -uo pipefail
+out=${OUT:-benchmarks/results}
+sfx=${SUFFIX:-h200}
+v=${VARIANT:+_$VARIANT}
+mkdir -p "$out"
+
+name() { echo "$out/$1${v}_$2.json"; }  # $1 benchmark, $2 device suffix
+
+# A command whose output is text: run it, echo it, and record command, status, seconds and the last lines as JSON.
+as_json() {
+  local json=$1; shift
+  local log start rc
+  log=$(mktemp); start=$(date +%s)
+  "$@" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+  python3 - "$json" "$rc" "$(( $(date +%s) - start ))" "$*" "$log" <<'PY'
+import json, sys
+path, rc, secs, cmd, log = sys.argv[1:]
+tail = open(log, errors="replace").read().splitlines()[-40:]
+json.dump(dict(command=cmd, rc=int(rc), seconds=int(secs), tail=tail), open(path, "w"), indent=1)
+PY
+  rm -f "$log"
+  return "$rc"
+}
+
+stage_tests() {
+  as_json "$(name gpu_tests "$sfx")" python3 -m pytest -m gpu -q "$@"
+}
+
+stage_kernels() {
+  python3 benchmarks/kernels.py --out "$(name kernels "$sfx")"
+  python3 benchmarks/merge.py --out "$(name merge "$sfx")"
+  python3 benchmarks/fa4_merge_epilogue.py --out "$(name fa4_merge_epilogue "$sfx")" "$@"
+}
+
+stage_ring() {  # extra arguments go to ring_sim.py (e.g. --hops none: hops that copy nothing, attribution only)
+  python3 benchmarks/ring_sim.py --quick --worlds 8 --causal yes --level executor \
+    --out "$(name ring_sim "$sfx")" "$@"
+  python3 benchmarks/ring_precision.py --worlds 8,32 --out "$(name ring_precision "$sfx")"
+}
+
+stage_packed() {
+  python3 benchmarks/varlen_sim.py --out "$(name varlen_sim "$sfx")"
+  python3 benchmarks/ulysses_sim.py --out "$(name ulysses_sim "$sfx")"
+}
+
+stage_host() {
+  python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
+    --out "$(name ring_profile "$sfx")" "$@"
+  python3 benchmarks/hop_overlap.py --out "$(name hop_overlap "$sfx")"
+}
+
+stage_capacity() {
+  case "${1:-2l}" in
+    2l)
+      python3 benchmarks/capacity.py --mode ringfa4 --layers 2 --seqs 524288,1048576 --gpu-budget-gib 8.5 \
+        --host-budget-gib 9 --group 2 --no-warm --memory-trace --out "$(name capacity_2l "$sfx")"
+      python3 benchmarks/memory_formula.py benchmarks/results/capacity_h200.json "$(name capacity_2l "$sfx")" \
+        --out "$(name memory_formula "$sfx")"
+      python3 benchmarks/plot_capacity.py benchmarks/results/capacity_h200.json "$(name capacity_2l "$sfx")" \
+        "$out/capacity${v}_$sfx.png" || echo "(plot skipped: matplotlib missing?)"
+      ;;
+    32k)
+      python3 benchmarks/capacity.py --mode plain --layers 32 --seqs 32768 --out "$(name capacity_32k_plain "$sfx")"
+      python3 benchmarks/capacity.py --mode ringfa4 --layers 32 --seqs 32768 --gpu-budget-gib 48 \
+        --host-budget-gib 90 --shares --out "$(name capacity_32k "$sfx")"
+      ;;
+    256k)
+      python3 benchmarks/capacity.py --mode ringfa4 --layers 32 --seqs 262144 --gpu-budget-gib 48 \
+        --host-budget-gib 90 --no-warm --shares --out "$(name capacity_256k "$sfx")"
+      ;;
+    *) echo "capacity PART: 2l | 32k | 256k" >&2; return 2 ;;
+  esac
+}
+
+stage_recipe() {
+  case "${1:-dry}" in
+    dry)
+      python3 benchmarks/hf_llama8b.py --out "$(name hf_llama8b "$sfx")"
+      for c in llama3_8b_1xh200 llama3_8b_1xh200_1m llama3_8b_8xh200_4m; do
+        as_json "$(name "recipe_dry_$c" "$sfx")" python3 recipes/finetune.py "recipes/configs/$c.toml" --dry-run
+      done
+      ;;
+    run)
+      torchrun --standalone --nproc-per-node 1 recipes/finetune.py recipes/configs/llama3_8b_1xh200.toml \
+        --set train.steps=4 --set log.progress=false --metrics-out "$out/recipe_llama3_8b${v}_1x$sfx.json"
+      ;;
+    *) echo "recipe PART: dry | run" >&2; return 2 ;;
+  esac
+}
+
+stage_nccl() {  # NVLink multicast stays off (it can take a shared host's GPUs out of service)
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    torchrun --standalone --nproc-per-node 2 benchmarks/ring_nccl.py --out "$(name ring_nccl "2x$sfx")" "$@"
+}
+
+stage=${1:-}
+case "$stage" in
+  tests|kernels|ring|packed|host|capacity|recipe|nccl) shift; "stage_$stage" "$@" ;;
+  *) sed -n '2,25p' "$0" >&2; exit 2 ;;
+esac
