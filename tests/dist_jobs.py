@@ -318,7 +318,7 @@ def recipe_run(overrides, export_check=False):
     if export_check and dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
-        path = cfg["checkpoint"]["export"]
+        path = cfg.checkpoint.export
         reloaded = AutoModelForCausalLM.from_pretrained(path)
         fresh, _ = finetune.build_model(cfg)
         fresh.load_state_dict(torch.load(os.path.join(path, "full_state.pt")))

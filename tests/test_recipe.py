@@ -3,6 +3,7 @@ errors, and a dry run of every finetune config."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -71,11 +72,92 @@ def test_config_errors_fail_fast(overrides, message):
         finetune.check_config(cfg, 2)
 
 
-def test_unknown_keys_fail_fast():
-    with pytest.raises(ValueError, match="unknown config key train.stepz"):
+def test_unknown_keys_fail_fast(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key train.stepz \(known: \[.*'steps'"):
         finetune.load_config(None, ["train.stepz=3"])
     with pytest.raises(ValueError, match="section.key=value"):
         finetune.load_config(None, ["steps=3"])
+    with pytest.raises(ValueError, match=r"unknown config section \[trian\] \(known: \[.*'train'"):
+        finetune.load_config(None, ["trian.steps=3"])
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[train]\nsteps = 3\n\n[lgo]\nwandb = 'disabled'\n")
+    with pytest.raises(ValueError, match=r"unknown config section \[lgo\]"):
+        finetune.load_config(str(toml))
+    toml.write_text("[parallel]\ncp = 2\nrings = 2\n")
+    with pytest.raises(ValueError, match=r"unknown config key parallel.rings \(known: \[.*'ulysses'"):
+        finetune.load_config(str(toml))
+    toml.write_text("train = 3\n")
+    with pytest.raises(ValueError, match="config key train must be a table"):
+        finetune.load_config(str(toml))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=1.5", "train.steps must be an int, got 1.5"),
+    ("train.steps=true", "train.steps must be an int, got True"),
+    ('train.lr="fast"', "train.lr must be a float"),
+    ("log.progress=1", "log.progress must be a bool, got 1"),
+    ("parallel.layout=2", "parallel.layout must be a string, got 2"),
+    ("train.lora_targets=[1]", r"train.lora_targets\[0\] must be a string"),
+    ("train.compile=3", "train.compile must be a bool or a string"),
+    ("model.config=3", "model.config must be a table"),
+])
+def test_wrong_types_fail_fast(override, message):
+    with pytest.raises(ValueError, match=message):
+        finetune.load_config(None, [override])
+
+
+def test_typed_config_values():
+    cfg = finetune.load_config(None, ["train.lr=1", "train.ckpt_gpu_budget_gib=2", 'train.compile="aot_eager"',
+                                      'model.config={model_type = "llama", hidden_size = 32}'])
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # ints are taken for float fields
+    assert cfg.train.ckpt_gpu_budget_gib == 2.0 and cfg.train.compile == "aot_eager"
+    assert cfg.model.config == {"model_type": "llama", "hidden_size": 32}  # free-form, replaced whole
+    assert finetune.FinetuneConfig().train.steps == 5 and finetune.load_config(None).parallel.layout == "zigzag"
+    assert cfg.to_dict()["train"]["lr"] == 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 3
+
+
+def test_cp_table_reaches_ring_options(tmp_path):
+    from ringfa4.options import RingOptions
+
+    assert finetune.ring_options(finetune.load_config(None)) == RingOptions()
+    assert finetune.ring_options(finetune.load_config(None, ['cp.bwd_ring="q"'])) == RingOptions(bwd_ring="q")
+    toml = tmp_path / "cp.toml"
+    toml.write_text("[cp]\nbwd_ring = 'q'\ndkv_groups = 1\ntimeout_s = 60\nfp32_partials = false\n")
+    cfg = finetune.load_config(str(toml), ['cp.bwd_ring="kv"', "cp.nvlink_domain=4"])
+    opts = finetune.ring_options(cfg)
+    assert opts == RingOptions(bwd_ring="kv", dkv_groups=1, timeout_s=60.0, fp32_partials=False, nvlink_domain=4)
+    assert isinstance(opts.timeout_s, float)
+
+
+def test_run_uses_the_cp_table(pools):
+    """The [cp] table reaches the run's ContextParallel; the q-side backward ring with one head group
+    gives the default run's losses and gradient norms."""
+    base = pools(2).run("recipe_run", STEPS + ["parallel.cp=2"], timeout=240)
+    res = pools(2).run("recipe_run", STEPS + ["parallel.cp=2", 'cp.bwd_ring="q"', "cp.dkv_groups=1",
+                                             "cp.timeout_s=90"], timeout=240)
+    used = res[0][1]["metrics"][0]["cp_options"]
+    assert used["bwd_ring"] == "q" and used["dkv_groups"] == 1 and used["timeout_s"] == 90.0, used
+    assert base[0][1]["metrics"][0]["cp_options"]["bwd_ring"] == "auto"
+    for (l0, g0), (l1, g1) in zip(_losses(base), _losses(res)):
+        assert abs(l0 - l1) <= 1e-5 * abs(l0) and abs(g0 - g1) <= 1e-4 * abs(g0), (base, res)
+
+
+@pytest.mark.parametrize("toml_cp,override,message", [
+    ("dkv_groups = 0", None, r"\[cp\].*dkv_groups"),
+    (None, "cp.dkv_groups=0", r"\[cp\].*dkv_groups"),
+    (None, 'cp.bwd_ring="sideways"', r"\[cp\].*bwd_ring"),
+    (None, "cp.timeout_s=0", r"\[cp\].*timeout_s"),
+    ("ring_slots = 2", None, r"\[cp\].*unknown option.*ring_slots.*known:.*bwd_ring"),
+])
+def test_bad_cp_values_fail_fast(tmp_path, toml_cp, override, message):
+    path = None
+    if toml_cp:
+        path = tmp_path / "cp.toml"
+        path.write_text(f"[cp]\n{toml_cp}\n")
+    with pytest.raises(ValueError, match=message):
+        finetune.load_config(path and str(path), [override] if override else [])
 
 
 @pytest.mark.parametrize("path", sorted(p for p in glob.glob(os.path.join(ROOT, "recipes", "configs", "*.toml"))
