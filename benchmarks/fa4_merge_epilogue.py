@@ -1,9 +1,8 @@
 """What the ring's forward kernel costs over FA4's own, per block shape of a zigzag ring at 64k,
 P = 8 (h = 32, d = 128, bf16): FA4's forward (bf16 out, TMA store), our fp32-output forward
-(kernels/fa4_fp32.py: stores fp32 from registers), and the merging forward (kernels/fa4_merge.py)
-in two builds: ``inline`` (the first version: the accumulator read row by row after the (M, S)
-writes) and ``hoisted`` (the default: every load of the epilogue issued before any store). All
-in one process, rotating over 3 input sets; each merge runs into its own
+(kernels/fa4/fp32_forward.py: stores fp32 from registers), and the merging forward
+(kernels/fa4/epilogue_merge.py: every load of the epilogue issued before any store). All in one
+process, rotating over 3 input sets; each merge runs into its own
 accumulator (planes initialized by one stored block).
 
     python benchmarks/fa4_merge_epilogue.py [--shapes ring|paired] [--out bench_results/fa4_merge_epilogue.json]
@@ -22,9 +21,8 @@ import os
 import torch
 from _common import median_ms
 
-from ringfa4.kernels import fa4_fp32, fa4_merge
-from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
-from ringfa4.kernels.fa4_merge import fa4_forward_merge_
+from ringfa4.kernels.fa4.epilogue_merge import fa4_forward_merge_
+from ringfa4.kernels.fa4.fp32_forward import fa4_forward_fp32
 
 SHAPES = (("8k x 4k", 8192, 4096, False), ("4k x 8k", 4096, 8192, False), ("8k causal", 8192, 8192, True))
 # two consecutive ring steps of the same kind in one call (their kv side by side): what a merge
@@ -44,14 +42,6 @@ def _sets(s_q: int, s_k: int, h: int, d: int, n: int = 3):
     return out
 
 
-def _use_build(hoist: bool) -> None:
-    """Rebuild the merging class as asked (the compile cache keeps no such key)."""
-    fa4_merge._HOIST_LOADS = hoist
-    fa4_merge._sm90_merge_class.cache_clear()
-    for key in [k for k in fa4_fp32._CACHE if k.merge]:
-        del fa4_fp32._CACHE[key]
-
-
 def _impls(causal: bool, scale: float) -> dict:
     from flash_attn.cute.interface import flash_attn_func
 
@@ -62,7 +52,7 @@ def _impls(causal: bool, scale: float) -> dict:
         "fa4 (bf16 out)": lambda q, k, v, acc, planes: flash_attn_func(q, k, v, causal=causal, softmax_scale=scale),
         "fp32 store": lambda q, k, v, acc, planes: fa4_forward_fp32(
             q, k, v, causal=causal, softmax_scale=scale, out=acc, lse=planes[:, :, 0]),
-        "merge inline": merge, "merge hoisted": merge,
+        "merge": merge,
     }
 
 
@@ -83,18 +73,14 @@ def main() -> None:
             planes[:, :, 1] = 1.0
         flops = 4 * s_q * s_k * h * d * (0.5 if causal else 1.0)
         impls = _impls(causal, scale)
-        builds = {"merge inline": False, "merge hoisted": True}
         base = None
         for impl, fn in impls.items():
-            if impl in builds:
-                _use_build(builds[impl])
             ms = median_ms(fn, sets, rep=300)
             base = ms if base is None else base
             row = {"shape": name, "s_q": s_q, "s_k": s_k, "causal": causal, "h": h, "d": d, "impl": impl,
                    "ms": ms, "tflops": flops / ms / 1e9, "over_fa4": ms / base - 1}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        _use_build(True)
         for *_, acc, planes in sets:  # the merges kept the accumulators finite
             assert torch.isfinite(acc).all() and torch.isfinite(planes).all(), name
         del sets

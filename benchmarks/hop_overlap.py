@@ -1,7 +1,7 @@
 """Does a simulated ring hop hide behind the block kernels? One rank-step's worth of FA4 blocks
 (the ring's kernels: fp32-output forward, fp32-accumulating backward) timed alone, the hop's
-device-to-device copies alone (``copy_``; the driver's batched copy on the copy engines, as the
-loopback transport does them, parallel/copy_engine.py; an SM kernel), and both at once on two
+device-to-device copies alone (``copy_``, as the loopback
+transport does them; an SM kernel), and both at once on two
 streams; ``hidden`` is the share of the copy time that did not add to the wall time.
 
     python benchmarks/hop_overlap.py [--sizes 0.25,0.5,1,2] [--out bench_results/hop_overlap.json]
@@ -40,11 +40,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8, help="blocks per timed region (the simulated ranks)")
     ap.add_argument("--out", default="bench_results/hop_overlap.json")
     ap.add_argument("--sizes", default="", help="comma-separated byte scales (e.g. 0.25,0.5,1,2): instead of the "
-                    "methods, time the copy engines' copies at each scale of the hop (paced and burst), to see "
+                    "methods, time the loopback copies at each scale of the hop (paced and burst), to see "
                     "whether what a hop costs the kernels grows with its bytes")
     a = ap.parse_args()
-    from ringfa4.kernels import fa4_bwd_accum as acc
-    from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
+    from ringfa4.kernels.fa4 import bwd_accum as acc
+    from ringfa4.kernels.fa4.fp32_forward import fa4_forward_fp32
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     m, n, h, d, nb = a.rows, a.rows // 2, a.heads, a.head_dim, a.blocks
@@ -121,31 +121,27 @@ def main() -> None:
     kinds = ("burst, copies first", "burst, kernels first", "burst, kernels on a side stream",
              "burst, high-priority comm", "paced")
     rows = []
-    from ringfa4.parallel.copy_engine import engine_copy_
-
     def copier(method: str, src, dst):
         def copy(i):
             if method == "SM kernel":
                 torch.neg(src[i], out=dst[i])
-            elif method == "batched, copy engines":
-                engine_copy_([(dst[i], src[i])], torch.cuda.current_stream())
             else:
                 dst[i].copy_(src[i], non_blocking=True)
         return copy
 
-    methods = ("copy_", "batched, copy engines", "SM kernel")
+    methods = ("copy_", "SM kernel")
     scales = [float(x) for x in a.sizes.split(",") if x]
     for name, kernel, (src_all, dst_all) in (("fwd", fwd, (kv_src, kv_dst)), ("bwd", bwd, (dkv_src, dkv_dst))):
-        for scale_b in scales:  # --sizes: the copy engines at each byte scale of the hop
+        for scale_b in scales:  # --sizes: the loopback's copies at each byte scale of the hop
             base = src_all[0].numel() / most
             src, dst = ([x[: int(scale_b * base)] for x in xs] for xs in (src_all, dst_all))
-            copy = copier("batched, copy engines", src, dst)
+            copy = copier("copy_", src, dst)
             t_k = _time(variant("kernels", kernel, copy))
             t_c = _time(variant("copies", kernel, copy))
             mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
             for kind in ("burst, copies first", "paced"):
                 t_b = _time(variant(kind, kernel, copy))
-                rows.append(dict(kernels=name, copy="batched, copy engines", order=kind, scale=scale_b,
+                rows.append(dict(kernels=name, copy="copy_", order=kind, scale=scale_b,
                                  kernels_ms=t_k, copies_ms=t_c, copies_mb=mb, both_ms=t_b,
                                  hidden=(t_k + t_c - t_b) / t_c, cost_ms=t_b - t_k))
                 print(json.dumps(rows[-1]), flush=True)
@@ -161,7 +157,7 @@ def main() -> None:
             t_k = _time(variant("kernels", kernel, copy))
             t_c = _time(variant("copies", kernel, copy))
             mb = sum(x.numel() * x.element_size() for x in src) / 2 ** 20
-            for kind in (kinds if method == "batched, copy engines" else ("burst, copies first", "paced")):
+            for kind in (kinds if method == "copy_" else ("burst, copies first", "paced")):
                 t_b = _time(variant(kind, kernel, copy))
                 rows.append(dict(kernels=name, copy=method, order=kind, kernels_ms=t_k,
                                  copies_ms=t_c, copies_mb=mb, both_ms=t_b, hidden=(t_k + t_c - t_b) / t_c))

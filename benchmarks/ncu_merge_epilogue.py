@@ -1,5 +1,5 @@
 """The ring's forward kernels of one block shape under Nsight Compute: FA4's forward (bf16 out), our
-fp32-output forward and the merging forward (kernels/fa4_merge.py), one launch each after a warm-up,
+fp32-output forward and the merging forward (kernels/fa4/epilogue_merge.py), one launch each after a warm-up,
 inside cudaProfilerStart/Stop; then a summary per kernel from the report: duration, the warp-state
 stall shares, and the SASS instructions with the most stall samples.
 
@@ -20,8 +20,8 @@ import torch
 def _launch(s_q: int, s_k: int, h: int, d: int) -> None:
     from flash_attn.cute.interface import flash_attn_func
 
-    from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
-    from ringfa4.kernels.fa4_merge import fa4_forward_merge_
+    from ringfa4.kernels.fa4.epilogue_merge import fa4_forward_merge_
+    from ringfa4.kernels.fa4.fp32_forward import fa4_forward_fp32
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, s_q, h, d, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -58,7 +58,7 @@ def check_against_simulated(cp, be, rank, P, deterministic: bool):
     ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=deterministic)
     out.backward(cp.shard(do).contiguous())
-    sim = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
+    sim = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, options=cp.options)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     so, sl = ringfa4.attention(qs, ks, vs, cp=sim, causal=True, return_lse=True, deterministic=deterministic)
     so.backward(do)
@@ -145,7 +145,7 @@ def main() -> None:
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", local_rank))
     rank, P = dist.get_rank(), dist.get_world_size()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
-    cp = ringfa4.ContextParallel(layout="zigzag", backend=be)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend=be, options=ringfa4.RingOptions.from_env())
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
     report["check"] = [check_against_simulated(cp, be, rank, P, det) for det in (True, False)]
     report["weak_scaling"] = [weak_scaling(cp, be, P, int(s)) for s in args.per_gpu.split(",")]

@@ -48,7 +48,8 @@ def main() -> None:
     rows = []
     for item in args.worlds.split(","):
         P, U = (int(x) for x in item.split("x")) if "x" in item else (int(item), 1)
-        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U)
+        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U,
+                                                options=ringfa4.RingOptions.from_env())
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out, lse = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, return_lse=True)
         out.backward(do)

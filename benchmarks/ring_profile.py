@@ -38,7 +38,8 @@ def run(args, device):
     g = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     S, h, hk, d = args.seq, args.heads, args.kv_heads, args.head_dim
-    cp = ringfa4.ContextParallel.simulated(args.world, backend=args.backend)
+    cp = ringfa4.ContextParallel.simulated(args.world, backend=args.backend,
+                                           options=ringfa4.RingOptions.from_env())
     pack = None
     shape = (S, h, d) if args.packed else (1, S, h, d)
     kvshape = (S, hk, d) if args.packed else (1, S, hk, d)

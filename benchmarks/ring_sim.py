@@ -21,6 +21,7 @@ but copies nothing, so ``ring - calls`` splits into the simulated hops' share an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -28,8 +29,10 @@ import torch
 from _common import cp_step, full_call, interleaved_ms, median_ms, ratio
 
 import ringfa4
+from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend, resolve
 from ringfa4.parallel import LoopbackTransport
+from ringfa4.parallel.ring import calls
 
 
 class _NoCopyHops(LoopbackTransport):
@@ -72,17 +75,17 @@ def _shards(cp, cache: dict | None):
     """Per-rank views of an input set: made in the timed call (api level), or once per set (executor)."""
     def split(*ts):
         if cache is None:
-            return [cp._split(t) for t in ts]
+            return [cp.comm.split(cp.layout, t, 1) for t in ts]
         key = tuple(t.data_ptr() for t in ts)
         if key not in cache:
-            cache[key] = [cp._split(t) for t in ts]
+            cache[key] = [cp.comm.split(cp.layout, t, 1) for t in ts]
         return cache[key]
     return split
 
 
 def _executor_step(cp, spec, backward):
     """What the simulated ranks run on their shards: the ring forward (and backward)."""
-    from ringfa4.parallel.executor import ring_backward, ring_forward
+    from ringfa4.parallel.ring import ring_backward, ring_forward
 
     split = _shards(cp, {})
 
@@ -108,9 +111,9 @@ def _calls_alone(cp, spec, be, backward, cache: dict | None = None):
             for t in range(ring.active_steps):
                 src = ring.schedule.source(r, t, ring.schedule.world_size)
                 for b in ring.schedule.blocks(r, t):
-                    b.forward(be, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
+                    calls.forward(be, b, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
                     if backward:
-                        b.backward(be, dos[r], qs[r], ks[src], vs[src], o_s, l_s, ring.spec)
+                        calls.backward(be, b, dos[r], qs[r], ks[src], vs[src], o_s, l_s, ring.spec)
     return run
 
 
@@ -118,12 +121,12 @@ def _save(args, rows) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "heads": args.heads, "head_dim": args.head_dim,
-                   "layout": "zigzag", "switches": _switches(), "rows": rows}, f, indent=1)
+                   "layout": "zigzag", "options": _options(), "rows": rows}, f, indent=1)
 
 
-def _switches() -> dict[str, str]:
-    """The RINGFA4_* environment switches this run was started with (unset ones take defaults)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGFA4_")}
+def _options() -> dict:
+    """The RingOptions this run used: the defaults with any RINGFA4_* variables applied."""
+    return dataclasses.asdict(RingOptions.from_env())
 
 
 def main() -> None:
@@ -152,7 +155,8 @@ def main() -> None:
                 t_full = median_ms(full_call(be, spec, backward), sets, rep)
                 for P in (int(p) for p in args.worlds.split(",")):
                     cp = ringfa4.ContextParallel.simulated(
-                        P, layout="zigzag", backend=be, transport=_NoCopyHops() if args.hops == "none" else None)
+                        P, layout="zigzag", backend=be, transport=_NoCopyHops() if args.hops == "none" else None,
+                        options=RingOptions.from_env())
                     for level in {"both": ("api", "executor"), "api": ("api",), "executor": ("executor",)}[args.level]:
                         if level == "api":
                             fns = {"ring": cp_step(cp, backward, causal=causal),

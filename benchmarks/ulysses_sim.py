@@ -52,7 +52,8 @@ def main() -> None:
     t_full = {b: median_ms(full_call(be, spec, b), sets, 200) for b in (False, True)}
     for item in args.configs.split(","):
         P, U = (int(x) for x in item.split("x"))
-        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U)
+        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be, ulysses=U,
+                                                options=ringfa4.RingOptions.from_env())
         fwd_mb, bwd_mb = a2a_mb_per_rank(S, P, U, h, hk, d)
         for backward in (False, True):
             t = median_ms(cp_step(cp, backward), sets, 200)

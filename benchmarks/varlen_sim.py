@@ -47,7 +47,8 @@ def main() -> None:
     rows = []
     t_full = {b: median_ms(full_call(be, spec, b), sets, 200) for b in (False, True)}
     for P in (int(p) for p in args.worlds.split(",")):
-        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be)
+        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be,
+                                                options=ringfa4.RingOptions.from_env())
         for mode in ("ring", "allgather"):
             pack = cp.pack(cu, mode)
             for backward in (False, True):

@@ -1,7 +1,7 @@
 """ringfa4 demo (CPU): one causal attention computed whole, as merged K/V blocks, and as a
 simulated 4-rank zigzag ring, each compared with float64 math.
 
-    make demo
+    make demo-kernels
 """
 
 from __future__ import annotations

@@ -3,33 +3,34 @@
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 from helpers import random_qkv
 
 import ringfa4
-from ringfa4.kernels import get_backend
+from ringfa4.kernels import PlainBackend, get_backend
 
 
 def _inputs(b, S, h, h_kv, d, dtype, seed):
     return random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
 
 
-def ring_case(layout, dtype, shape, kw, seed, ulysses=1):
+def ring_case(layout, dtype, shape, kw, seed, ulysses=1, options=None):
     """Distributed ring (or Ulysses x ring) on this rank's shard; returns the full results after
-    cp.unshard, and whether the simulated executor's results for this rank are bit-identical."""
+    cp.unshard, and whether the simulated executor's results for this rank are bit-identical
+    (both with ``options``, a RingOptions)."""
     b, S, h, h_kv, d = shape
     q, k, v, do = _inputs(b, S, h, h_kv, d, dtype, seed)
-    cp = ringfa4.ContextParallel(layout=layout, backend="reference", ulysses=ulysses)
+    cp = ringfa4.ContextParallel(layout=layout, backend="reference", ulysses=ulysses, options=options)
     ql, kl, vl, dol = (cp.shard(t, 1).clone().requires_grad_(t is not do) for t in (q, k, v, do))
     out, lse = ringfa4.attention(ql, kl, vl, cp=cp, return_lse=True, **kw)
     out.backward(dol)
     mine = [out.detach(), lse, ql.grad, kl.grad, vl.grad]
     full = [cp.unshard(out.detach(), 1), cp.unshard(lse, 2), cp.unshard(ql.grad, 1), cp.unshard(kl.grad, 1),
             cp.unshard(vl.grad, 1)]
-    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference", ulysses=ulysses)
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend="reference", ulysses=ulysses,
+                                            options=options)
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     so, sl = ringfa4.attention(qs, ks, vs, cp=sim, return_lse=True, **kw)
     so.backward(do)
@@ -39,30 +40,23 @@ def ring_case(layout, dtype, shape, kw, seed, ulysses=1):
     return {"full": full, "identical": identical} if dist.get_rank() == 0 else {"identical": identical}
 
 
-def ring_case_env(env, layout, dtype, shape, kw, seed):
-    """ring_case with environment switches set in this worker's process (restored after), and the
-    backward sides the distributed and the simulated run used."""
-    from ringfa4.parallel import bwd_sides
+def ring_case_options(options, layout, dtype, shape, kw, seed):
+    """ring_case with ``RingOptions(**options)``, and the backward sides the distributed and the
+    simulated run used."""
+    from ringfa4.parallel.ring import backward
 
-    used, real = [], bwd_sides.backward_side
+    used, real = [], backward.backward_side
 
     def spy(*args):
         side = real(*args)
         used.append(type(side).__name__)
         return side
 
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    bwd_sides.backward_side = spy
+    backward.backward_side = spy
     try:
-        res = ring_case(layout, dtype, shape, kw, seed)
+        res = ring_case(layout, dtype, shape, kw, seed, options=ringfa4.RingOptions(**options))
     finally:
-        bwd_sides.backward_side = real
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        backward.backward_side = real
     res["sides"] = used
     return res
 
@@ -75,11 +69,12 @@ def ring_case_backend_layout(layout, shape, kw, align):
     from ringfa4.kernels.reference import _ReferenceAccum
 
     made = []
+    own = _ReferenceAccum.kv_layout
     _ReferenceAccum.kv_layout = lambda self, k, cap: made.append(HeadMajorGrads(k, cap, align)) or made[-1]
     try:
         res = ring_case(layout, torch.float64, shape, kw, 7)
     finally:
-        del _ReferenceAccum.kv_layout
+        _ReferenceAccum.kv_layout = own
     # the distributed run's layouts come first: the whole-head one, then (in place) one per kv-head group
     res["used"] = [m.dense_calls > 0 for m in made[:3]]
     return res
@@ -109,28 +104,25 @@ def bad_input(kind, ulysses=1):
         s = 3
     if kind == "heads":
         h_kv = 3
-    if kind == "switch_mismatch" and rank == 2:
-        os.environ["RINGFA4_DKV_GROUPS"] = "1"  # this worker's process only; restored below
-    if kind == "ring_mismatch" and rank == 1:
-        os.environ["RINGFA4_BWD_RING"] = "q"
-    if kind == "switch_invalid" and rank == 1:
-        os.environ["RINGFA4_DKV_GROUPS"] = "zero"
+    options = ringfa4.RingOptions()
+    if kind == "options_groups" and rank == 2:
+        options = options.replace(dkv_groups=1)
+    if kind == "options_ring" and rank == 1:
+        options = options.replace(bwd_ring="q")
+    if kind == "options_timeout" and rank == 3:
+        options = options.replace(timeout_s=77.0)
     q = torch.randn(b, s, h, d)
     k = torch.randn(b, s, h_kv, d, dtype=dtype_k)
     v = torch.randn(b, s, h_kv, d, dtype=dtype_k)
     if kind == "ulysses_heads":
         q = torch.randn(b, s, 6, d)
         k = v = torch.randn(b, s, 6, d)
-    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference", ulysses=ulysses)
-    try:
-        ringfa4.attention(q, k, v, cp=cp, causal=causal)
-    finally:
-        os.environ.pop("RINGFA4_DKV_GROUPS", None)
-        os.environ.pop("RINGFA4_BWD_RING", None)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference", ulysses=ulysses, options=options)
+    ringfa4.attention(q, k, v, cp=cp, causal=causal)
     return "no error"
 
 
-class _FailingBackend:
+class _FailingBackend(PlainBackend):
     """Reference backend that raises on one rank (a kernel failure mid-ring)."""
 
     name = "failing"

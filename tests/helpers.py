@@ -105,6 +105,8 @@ class HeadMajorGrads:
     """A backend-native dK/dV layout for executor tests (an AccumBackward's ``kv_layout``):
     ``(b, h_kv, cap, d)`` per tensor, blocks addressable at multiples of ``align``."""
 
+    dtype = torch.float32  # the travelling buffers' dtype
+
     def __init__(self, k, cap, align):
         self.shape = (k.shape[0], k.shape[2], cap, k.shape[3])
         self.numel, self.align, self.dense_calls = 2 * math.prod(self.shape), align, 0
@@ -119,3 +121,8 @@ class HeadMajorGrads:
     def dense(self, buf, rows):
         self.dense_calls += 1
         return tuple(t[:, :, :rows].permute(0, 2, 1, 3) for t in self._halves(buf))
+
+    def write(self, buf, rows, dk, dv):
+        dk_f, dv_f = self.dense(buf, rows)
+        dk.copy_(dk_f)
+        dv.copy_(dv_f)

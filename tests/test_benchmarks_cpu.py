@@ -133,10 +133,12 @@ def test_memtrace_replay_finds_the_peak_live_set():
                                                                                    (50, "ringfa4/c.py:7 f")]
 
 
-def test_ring_sim_records_the_switches(monkeypatch):
+def test_ring_sim_records_its_options(monkeypatch):
+    """The RingOptions a benchmark ran with: the defaults, with the RINGFA4_* variables it was started
+    with applied (RingOptions.from_env)."""
     import ring_sim
 
     monkeypatch.setenv("RINGFA4_BWD_RING", "q")
     monkeypatch.delenv("RINGFA4_DKV_GROUPS", raising=False)
-    got = ring_sim._switches()
-    assert got["RINGFA4_BWD_RING"] == "q" and "RINGFA4_DKV_GROUPS" not in got
+    got = ring_sim._options()
+    assert got["bwd_ring"] == "q" and got["dkv_groups"] == 2 and got["fp32_grads"] is True

@@ -1,4 +1,4 @@
-"""FA4 backward accumulated in fp32 across ring blocks (ringfa4.kernels.fa4_bwd_accum).
+"""FA4 backward accumulated in fp32 across ring blocks (ringfa4.kernels.fa4.bwd_accum).
 
 CPU (CI): prepare + accumulate + finish run under ``FakeTensorMode`` in a subprocess that targets
 sm_90a (this file run as a script), compiling FA4's preprocess, main kernel and dQ postprocess; the
@@ -45,8 +45,8 @@ def _compile_cases(arch: str) -> list[dict]:
     """Subprocess side (FLASH_ATTENTION_ARCH / CUTE_DSL_ARCH set): compile every case; check PTX."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ringfa4.kernels import fa4_bwd_accum as acc
-    from ringfa4.kernels import fa4_bwd_plan
+    from ringfa4.kernels.fa4 import bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_plan as fa4_bwd_plan
 
     results = []
     for name, (b, s_q, s_k, h, h_kv, d), kw in CASES[arch]:
@@ -88,7 +88,7 @@ def _compile_head_group() -> dict:
     slice of bf16 dk / dv (``TileKVLayout.write``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     t0 = time.perf_counter()
     with FakeTensorMode():
@@ -134,7 +134,7 @@ def test_bwd_accum_compiles(compile_run, arch):
 
 
 def test_can_implement():
-    from ringfa4.kernels.fa4_bwd_accum import can_implement
+    from ringfa4.kernels.fa4.bwd_accum import can_implement
 
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn-4 is not installed")
@@ -152,7 +152,7 @@ def test_can_implement():
 
 
 def test_prepare_rejects(monkeypatch):
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
@@ -213,7 +213,7 @@ def _blocks(s_q: int, s_k: int, causal: bool, window) -> list:
 def test_ring_accumulation_vs_float64(gpu, name, shape, kw):
     from helpers import reference_grads, rel_err
 
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     fwd, bwd = gpu
     b, s_q, s_k, h, h_kv, d = shape
@@ -263,7 +263,7 @@ def test_ring_accumulation_vs_float64(gpu, name, shape, kw):
 @pytest.mark.gpu
 def test_states_are_independent(gpu):
     """Two states (e.g. two ring backward calls in flight) and an fp32 dq written into a strided view."""
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     fwd, _ = gpu
     b, s, h, d = 1, 256, 2, 128
@@ -290,7 +290,7 @@ def test_tile_layout_equals_dense(gpu, s_k, h_kv):
     """accumulate_tiles into one TileKVLayout buffer (blocks at every multiple of the layout's kv
     alignment: sm90 128, sm100 2-CTA 256; no scratch, no gather) gives the dense accumulate's dq,
     dk, dv up to the order of fp32 atomics."""
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     fwd, _ = gpu
     b, s_q, h, d = 1, 448, 4, 128
@@ -326,7 +326,7 @@ def test_head_groups_in_place_and_write(gpu, h, h_kv, s_k):
     accumulator) each add dK / dV into their own TileKVLayout buffer in place, and FA4's postprocess
     writes the sums into head slices of bf16 dk / dv (every element, also past the last full kv
     tile): equal to the whole-head state's dense gather rounded once, dq equal too."""
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     fwd, _ = gpu
     b, s_q, d = 1, 384, 128

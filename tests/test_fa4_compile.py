@@ -88,8 +88,8 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
     from ringfa4.kernels import AttnSpec
-    from ringfa4.kernels import fa4 as fa4_module
-    from ringfa4.kernels.fa4 import Fa4Backend
+    from ringfa4.kernels.fa4 import backend as fa4_module
+    from ringfa4.kernels.fa4.backend import Fa4Backend
     from ringfa4.kernels.validate import validate_block
 
     _target_hardware_info(int(os.environ["FLASH_ATTENTION_NUM_SMS"]))
@@ -195,7 +195,8 @@ def test_fa4_patterns_compile(compile_runs, arch):
 
 
 def test_import_does_not_load_flash_attn():
-    code = ("import sys, ringfa4.kernels, ringfa4.kernels.fa4\n"
+    code = ("import sys, ringfa4.kernels, ringfa4.kernels.fa4.backend, ringfa4.kernels.fa4.epilogue_merge\n"
+            "import ringfa4.kernels.fa4.bwd_accum\n"
             "from ringfa4.kernels import registry\n"
             "registry.fa4_installed(); registry.resolve('auto', 'cpu')\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('flash_attn', 'cutlass', 'quack'))\n"
@@ -210,7 +211,7 @@ def test_fa4_refuses_cpu_and_fp32():
     import torch
 
     from ringfa4.kernels import AttnSpec
-    from ringfa4.kernels.fa4 import Fa4Backend, Fa4Unsupported
+    from ringfa4.kernels.fa4.backend import Fa4Backend, Fa4Unsupported
 
     q = torch.zeros(1, 8, 2, 64)
     with pytest.raises(Fa4Unsupported, match="fp16/bf16"):

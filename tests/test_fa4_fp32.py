@@ -1,4 +1,4 @@
-"""The fp32-output FA4 forward (ringfa4.kernels.fa4_fp32).
+"""The fp32-output FA4 forward (ringfa4.kernels.fa4.fp32_forward).
 
 CPU (CI): the kernels compile for sm_90a and sm_100a under ``FakeTensorMode``, one subprocess per
 arch (this file run as a script; CuTe DSL reads ``CUTE_DSL_ARCH`` at import), side by side; the PTX
@@ -38,10 +38,10 @@ CASES = [
     ("gqa_window", 128, False, dict(window=(96, 32), shape=(2, 384, 512, 8, 2))),
     ("softcap_causal_short", 128, True, dict(softcap=30.0, shape=(2, 128, 384, 4, 4))),
 ]
-# the merging epilogue (kernels/fa4_merge.py): sm90 only
+# the merging epilogue (kernels/fa4/epilogue_merge.py): sm90 only
 MERGE_COMPILE = [
-    ("merge_d128_causal", 128, True, dict(merge=True)),
-    ("merge_d64_gqa_window", 64, False, dict(merge=True, window=(96, 32), shape=(2, 384, 512, 8, 2))),
+    ("merge_d128_causal", 128, True, dict()),
+    ("merge_d64_gqa_window", 64, False, dict(window=(96, 32), shape=(2, 384, 512, 8, 2))),
 ]
 
 
@@ -49,12 +49,15 @@ def _compile_cases(arch: str) -> list[dict]:
     """Compile every case for ``arch`` in this process (env already set); assert on each PTX."""
     import cutlass
 
-    from ringfa4.kernels import fa4_fp32
+    from ringfa4.kernels.fa4 import epilogue_merge
+    from ringfa4.kernels.fa4 import fp32_forward as fa4_fp32
 
     results = []
-    for name, d, causal, kw in CASES + (MERGE_COMPILE if arch == "sm_90a" else []):
+    cases = [(c, fa4_fp32.compile_only) for c in CASES]
+    cases += [(c, epilogue_merge.compile_only) for c in MERGE_COMPILE] if arch == "sm_90a" else []
+    for (name, d, causal, kw), compile_only in cases:
         t0 = time.perf_counter()
-        entry = fa4_fp32.compile_only(arch, torch.bfloat16, d, causal, **kw)
+        entry = compile_only(arch, torch.bfloat16, d, causal, **kw)
         ptx = entry.fn.__ptx__
         assert isinstance(ptx, str) and f".target {arch}" in ptx, (name, "no PTX for", arch)
         assert entry.fn.__cubin__, (name, "no cubin")
@@ -108,7 +111,7 @@ def test_fp32_forward_compiles(compile_runs, arch):
 
 
 def test_empty_rows():
-    from ringfa4.kernels.fa4_fp32 import _empty_rows
+    from ringfa4.kernels.fa4.fp32_forward import _empty_rows
 
     assert _empty_rows(512, 256, True, None, None) == [(0, 256)]  # bottom-right causal, s_q > s_k
     assert _empty_rows(256, 512, True, None, None) == []
@@ -133,7 +136,7 @@ def test_fa4_backend_falls_back_when_the_fp32_kernel_cannot(monkeypatch, error):
     (ValueError / NotImplementedError: e.g. d != d_v) runs FA4's own forward and widens its output
     into ``out``; FA4 refusing the call (AssertionError) is Fa4Unsupported, as for bf16 outputs.
     (CPU tensors stand in; FA4 itself is faked by the reference backend.)"""
-    from ringfa4.kernels import fa4
+    from ringfa4.kernels.fa4 import backend as fa4
     from ringfa4.kernels.reference import ReferenceBackend
 
     def fp32_kernel(*args):
@@ -165,7 +168,7 @@ def test_fa4_backend_falls_back_when_the_fp32_kernel_cannot(monkeypatch, error):
 def test_rejects_bad_inputs_without_loading_flash_attn():
     code = """
 import sys, torch
-from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32 as f
+from ringfa4.kernels.fa4.fp32_forward import fa4_forward_fp32 as f
 q = torch.zeros(1, 8, 2, 64, dtype=torch.float16)
 for args, kw, exc in [((q.float(), q.float(), q.float()), {}, TypeError),
                       ((q, q[:, :, :1], q), {}, ValueError),
@@ -211,7 +214,7 @@ def gpu():
         pytest.skip("flash-attn-4 is not installed")
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    from ringfa4.kernels.fa4_fp32 import fa4_forward_fp32
+    from ringfa4.kernels.fa4.fp32_forward import fa4_forward_fp32
     return fa4_forward_fp32, _flash_attn_fwd
 
 
@@ -295,7 +298,7 @@ def test_merge_epilogue_vs_torch_merge(gpu, name, shape, kw):
     (and, through M + log S, the lse merge); rows where both sides are -inf keep out = 0 and
     (M, S) = (-inf, 0); nothing outside the views is touched."""
     from ringfa4.kernels import merge_lse_
-    from ringfa4.kernels.fa4_merge import fa4_forward_merge_
+    from ringfa4.kernels.fa4.epilogue_merge import fa4_forward_merge_
     from ringfa4.kernels.merge import merge_planes_, planes_lse
 
     fp32_fwd, _ = gpu

@@ -25,7 +25,7 @@ def fa4():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("fa4 needs a Hopper (sm90) or Blackwell (sm100) GPU")
     pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed")
-    from ringfa4.kernels.fa4 import Fa4Backend
+    from ringfa4.kernels.fa4.backend import Fa4Backend
     return Fa4Backend()
 
 
@@ -182,7 +182,7 @@ def test_backward_takes_fp32_merged_out(fa4):
 
 
 def test_refuses_fp32_inputs(fa4):
-    from ringfa4.kernels.fa4 import Fa4Unsupported
+    from ringfa4.kernels.fa4.backend import Fa4Unsupported
 
     q = torch.randn(1, 64, 2, 64, device="cuda")
     with pytest.raises(Fa4Unsupported, match="fp16/bf16"):

@@ -70,21 +70,6 @@ def test_simulated_packed_matches_per_document_float64(P, layout, kw, mode):
     _check(_sim(P, layout, q, k, v, do, cu, kw, mode), ref, base, dtype, f"sim {mode} P={P} {layout} {kw} {lengths}")
 
 
-@pytest.mark.parametrize("slots", [1, 4])
-@pytest.mark.parametrize("P", [2, 3, 6])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_simulated_packed_slot_combine(slots, P, layout, monkeypatch):
-    """Packed ring with block outputs combined from slots (RINGFA4_RING_SLOTS), float64."""
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
-    kw = {"causal": True}
-    lengths = _lengths(P * 5 + slots, P)
-    cu = random_cu_seqlens(lengths)
-    q, k, v, do = _data(lengths, torch.float64, P + slots)
-    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
-    base = _base_errors(q, k, v, do, cu, kw, ref)
-    _check(_sim(P, layout, q, k, v, do, cu, kw), ref, base, torch.float64, f"slots={slots} P={P} {lengths}")
-
-
 def test_simulated_packed_float32():
     lengths = _lengths(3, 4)
     cu = random_cu_seqlens(lengths)

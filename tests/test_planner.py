@@ -35,13 +35,11 @@ def test_plan_rejects_bad_topologies():
 
 
 def test_detect_nvlink_domain_sources(monkeypatch):
-    monkeypatch.delenv("RINGFA4_NVLINK_DOMAIN", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert detect_nvlink_domain(12) == (12, "argument")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert detect_nvlink_domain() == (4, "LOCAL_WORLD_SIZE")
-    monkeypatch.setenv("RINGFA4_NVLINK_DOMAIN", "72")
-    assert detect_nvlink_domain() == (72, "RINGFA4_NVLINK_DOMAIN")
+    assert detect_nvlink_domain(72) == (72, "argument")
 
 
 def test_gb200_config_dry_run_prints_the_plan():

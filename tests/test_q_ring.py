@@ -1,8 +1,8 @@
-"""The q ring backward (parallel/bwd_sides.py QSide): q side and dq travel, K/V and dK/dV stay.
+"""The q ring backward (parallel/ring/q_side.py QSide): q side and dq travel, K/V and dK/dV stay.
 
 Against float64 with the CP criterion (at most 2x the reference backend's own full-sequence error
 plus a floor), simulated at several world sizes, layouts, masks, head groups and GQA; distributed
-(gloo) bit-identical to simulated; which side ``RINGFA4_BWD_RING`` picks, and by how many bytes."""
+(gloo) bit-identical to simulated; which side ``RingOptions.bwd_ring`` picks, and by how many bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from helpers import random_qkv, reference_grads
 from test_ring import MASKS, _assert_close, _full_backend_errors, _sim_case
 
 import ringfa4
-from ringfa4.parallel import bwd_sides
+from ringfa4 import RingOptions
+from ringfa4.parallel.ring import backward as bwd_sides
 
 
 @pytest.fixture
@@ -33,22 +34,20 @@ def sides(monkeypatch):
 @pytest.mark.parametrize("kw", MASKS, ids=str)
 @pytest.mark.parametrize("P", [2, 3, 8])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_q_ring_simulated(kw, P, layout, sides, monkeypatch):
-    monkeypatch.setenv("RINGFA4_BWD_RING", "q")
-    _sim_case(P, layout, torch.float64, kw, seed=P + 7)
+def test_q_ring_simulated(kw, P, layout, sides):
+    _sim_case(P, layout, torch.float64, kw, seed=P + 7, options=RingOptions(bwd_ring="q"))
     assert sides == ["QSide"]
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3])
 @pytest.mark.parametrize("h,h_kv", [(4, 4), (6, 2), (6, 1)])
-def test_q_ring_head_groups_and_gqa(groups, h, h_kv, sides, monkeypatch):
-    """dq travels in ``RINGFA4_DKV_GROUPS`` q-head groups (one group where the count does not
-    divide the kv heads); fp32 inputs, MHA and GQA; the same grads as the K/V ring to rounding."""
-    monkeypatch.setenv("RINGFA4_DKV_GROUPS", str(groups))
-    monkeypatch.setenv("RINGFA4_BWD_RING", "q")
-    got = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
-    monkeypatch.setenv("RINGFA4_BWD_RING", "kv")
-    other = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv)
+def test_q_ring_head_groups_and_gqa(groups, h, h_kv, sides):
+    """dq travels in ``dkv_groups`` q-head groups (one group where the count does not divide the
+    kv heads); fp32 inputs, MHA and GQA; the same grads as the K/V ring to rounding."""
+    got = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv,
+                    options=RingOptions(bwd_ring="q", dkv_groups=groups))
+    other = _sim_case(4, "zigzag", torch.float32, {"causal": True}, h=h, h_kv=h_kv, seed=groups * 10 + h_kv,
+                      options=RingOptions(bwd_ring="kv", dkv_groups=groups))
     assert sides == ["QSide", "KVSide"]
     for a, b in zip(got, other):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -58,7 +57,7 @@ def test_q_ring_head_groups_and_gqa(groups, h, h_kv, sides, monkeypatch):
                                              (4, "zigzag", {"causal": True, "window": (9, None)})], ids=str)
 def test_gloo_q_ring_matches_simulated_and_float64(pools, world, layout, kw):
     shape = (2, 2 * world * 6, 4, 4, 16)
-    res = pools(world).run("ring_case_env", {"RINGFA4_BWD_RING": "q"}, layout, torch.float64, shape, kw, 11)
+    res = pools(world).run("ring_case_options", {"bwd_ring": "q"}, layout, torch.float64, shape, kw, 11)
     assert all(status == "ok" for status, _ in res), res
     assert all(value["identical"] and value["sides"] == ["QSide", "QSide"] for _, value in res), res
     q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=torch.float64, seed=11)
@@ -67,37 +66,34 @@ def test_gloo_q_ring_matches_simulated_and_float64(pools, world, layout, kw):
     _assert_close(res[0][1]["full"], ref, base, torch.float64, f"gloo q ring world={world}")
 
 
-@pytest.mark.parametrize("env,dtype,h_kv,want", [
+@pytest.mark.parametrize("options,dtype,h_kv,want", [
     ({}, torch.bfloat16, 4, "QSide"),  # MHA bf16: q + dout + out + dq (10 B an element) < K, V, dK, dV (12 B)
     ({}, torch.bfloat16, 2, "KVSide"),  # GQA 2:1: the K/V side moves half as many elements
     ({}, torch.float32, 4, "KVSide"),  # fp32 MHA: 16 B both ways, the K/V side on a tie
-    ({"RINGFA4_BWD_RING": "q"}, torch.bfloat16, 1, "QSide"),
-    ({"RINGFA4_BWD_RING": "kv"}, torch.bfloat16, 4, "KVSide"),
-    ({"RINGFA4_FP32_GRADS": "0"}, torch.bfloat16, 4, "KVSide"),  # no AccumBackward state: no q side
-    ({"RINGFA4_DKV_WIRE": "input"}, torch.bfloat16, 4, "KVSide"),  # a 16-bit dK/dV wire asked for
-    ({"RINGFA4_BWD_RING": "q", "RINGFA4_FP32_GRADS": "0"}, torch.bfloat16, 4, "KVSide"),
-])
-def test_bwd_ring_choice(env, dtype, h_kv, want, sides, monkeypatch):
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    ({"bwd_ring": "q"}, torch.bfloat16, 1, "QSide"),
+    ({"bwd_ring": "kv"}, torch.bfloat16, 4, "KVSide"),
+    ({"fp32_grads": False}, torch.bfloat16, 4, "KVSide"),  # no AccumBackward state: no q side
+    ({"dkv_wire": "input"}, torch.bfloat16, 4, "KVSide"),  # a 16-bit dK/dV wire asked for
+    ({"bwd_ring": "q", "fp32_grads": False}, torch.bfloat16, 4, "KVSide"),
+], ids=str)
+def test_bwd_ring_choice(options, dtype, h_kv, want, sides):
     q, k, v, do = random_qkv(1, 32, 32, 4, h_kv, 8, dtype=dtype, seed=3)
-    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference", options=RingOptions(**options))
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     ringfa4.attention(*x, cp=cp, causal=True).backward(do)
     assert sides == [want]
 
 
-def test_hop_bytes_and_bad_switch(monkeypatch):
-    """Bytes a hop moves per rank, both sides (reference backend, bf16, MHA), and a bad switch
+def test_hop_bytes_and_bad_option():
+    """Bytes a hop moves per rank, both sides (reference backend, bf16, MHA), and a bad option
     value named in the error."""
     from ringfa4.kernels import AttnSpec
-    from ringfa4.parallel.executor import RingRun  # noqa: F401 (the run type the sides take)
 
     b, s, h, d = 1, 16, 4, 8
     q, k, v, do = random_qkv(b, 2 * s, 2 * s, h, h, d, dtype=torch.bfloat16, seed=4)
     cp = ringfa4.ContextParallel.simulated(2, backend="reference")
     run = cp.run(q, AttnSpec(causal=True))
-    qs, ks, vs, dos = (cp._split(t) for t in (q, k, v, do))
+    qs, ks, vs, dos = (cp.comm.split(cp.layout, t, 1) for t in (q, k, v, do))
     be = run.backend
     outs, lses = [], []
     for qi, ki, vi in zip(qs, ks, vs):
@@ -108,6 +104,5 @@ def test_hop_bytes_and_bad_switch(monkeypatch):
     n = b * s * h * d
     got = bwd_sides.hop_bytes(run, qs, ks, vs, states)
     assert got == {"kv": 2 * n * (2 + 4), "q": 3 * n * 2 + b * h * s * 4 + n * 4}, got
-    monkeypatch.setenv("RINGFA4_BWD_RING", "both")
-    with pytest.raises(ValueError, match="RINGFA4_BWD_RING"):
-        bwd_sides.bwd_ring()
+    with pytest.raises(ValueError, match=r"RingOptions.bwd_ring must be one of \('auto', 'kv', 'q'\), got 'both'"):
+        RingOptions(bwd_ring="both")

@@ -7,7 +7,15 @@ import pytest
 import torch
 from helpers import random_qkv
 
-from ringfa4.kernels import AttnSpec, BackendUnsupported, FallbackBackend, get_backend, resolve
+from ringfa4.kernels import (
+    AttnSpec,
+    BackendUnsupported,
+    BlockBackend,
+    FallbackBackend,
+    PlainBackend,
+    get_backend,
+    resolve,
+)
 
 
 def test_resolve_on_cpu_is_reference():
@@ -26,7 +34,7 @@ def test_bad_names_and_options():
         get_backend("reference", compute_dtype=torch.float16)
 
 
-class _Refuses:
+class _Refuses(PlainBackend):
     name = "refuses"
 
     def forward(self, q, k, v, spec, out=None, lse=None):
@@ -67,6 +75,26 @@ def test_fallback_forward_merge_asks_the_first_backend_only():
     assert FallbackBackend([_Refuses(), _Merges("merged")]).forward_merge(*args) is None
     with pytest.raises(ValueError):
         FallbackBackend([_Merges(ValueError("bad input")), ref]).forward_merge(*args)
+
+
+def test_a_backend_must_offer_every_method():
+    """The protocol's methods are all required: a class with only forward / backward is not a
+    BlockBackend (get_backend refuses it, naming its type); PlainBackend gives it the rest."""
+
+    class _Bare:
+        name = "bare"
+
+        def forward(self, q, k, v, spec, out=None, lse=None): ...
+
+        def backward(self, *args): ...
+
+    assert not isinstance(_Bare(), BlockBackend) and isinstance(_Refuses(), BlockBackend)
+    with pytest.raises(ValueError, match="backend must be a name or a BlockBackend, got _Bare"):
+        get_backend(_Bare())
+    for name in ("reference", "sdpa"):
+        assert isinstance(get_backend(name), BlockBackend)
+    assert _Refuses().begin_backward(None, None, None, None, AttnSpec()) is None
+    assert not _Refuses().can_forward_merge(None, None) and _Refuses().fp32_block_outputs(torch.device("cpu"))
 
 
 def test_sdpa_refusal_is_backend_unsupported_not_value_error():

@@ -14,6 +14,7 @@ from dist_pool import Pool
 from helpers import HeadMajorGrads, random_qkv, reference_grads, rel_err
 
 import ringfa4
+from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend
 
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -43,12 +44,12 @@ def _assert_close(got, ref, base, dtype, label):
         assert err <= 2 * e0 + FLOOR[dtype], f"{label} {name}: {err:.3g} > 2 x {e0:.3g} + floor"
 
 
-def _sim_case(P, layout, dtype, kw, b=2, chunk=6, h=4, h_kv=2, d=16, seed=0):
+def _sim_case(P, layout, dtype, kw, b=2, chunk=6, h=4, h_kv=2, d=16, seed=0, options=None):
     S = 2 * P * chunk
     q, k, v, do = random_qkv(b, S, S, h, h_kv, d, dtype=dtype, seed=seed)
     ref = reference_grads(q, k, v, do, **kw)
     base = _full_backend_errors(q, k, v, do, kw, ref)
-    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference")
+    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference", options=options)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
     out.backward(do)
@@ -160,9 +161,9 @@ BAD = [
     ("bad_dtype", r"rank 3: k must have q's dtype torch.float32"),
     ("not_multiple", r"rank 0: q sequence length \(local 3 x 4 ranks\) 12 must be a multiple of 8"),
     ("heads", r"rank 0: k heads must divide q heads 4"),
-    ("switch_mismatch", r"rank 2: ring backward switches .* is \(1, 1, 1, 0\), expected \(1, 1, 2, 0\)"),
-    ("ring_mismatch", r"rank 1: ring backward switches .* is \(1, 1, 2, 2\), expected \(1, 1, 2, 0\)"),
-    ("switch_invalid", r"rank 1: RINGFA4_DKV_GROUPS must be an int >= 1, got 'zero'"),
+    ("options_groups", r"rank 2: options.dkv_groups is 1, expected 2 as on rank 0"),
+    ("options_ring", r"rank 1: options.bwd_ring is q, expected auto as on rank 0"),
+    ("options_timeout", r"rank 3: options.timeout_s is 77.0, expected 300.0 as on rank 0"),
 ]
 
 
@@ -257,78 +258,48 @@ def test_gloo_auto_plan(pools, domain, heads, kv, want):
     assert f"Ulysses {want[0]} x ring {want[1]}" in res[0][1]["describe"]
 
 
-@pytest.mark.parametrize("slots", [1, 3, 8])
-@pytest.mark.parametrize("P", [2, 3, 5, 8])
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("kw", MASKS[:3] + MASKS[4:5], ids=lambda kw: str(kw))
-def test_slot_combine_forward(slots, P, layout, kw, monkeypatch):
-    """RINGFA4_RING_SLOTS=n: block outputs kept in n slots and combined in one pass give the same
-    out, lse and gradients (float64 criterion, and within 1e-12 of the per-block merge)."""
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
-    _sim_case(P, layout, torch.float64, kw, seed=P + slots)
-    q, k, v, do = random_qkv(1, 2 * P * 6, 2 * P * 6, 4, 2, 16, dtype=torch.float64, seed=7)
-    cp = ringfa4.ContextParallel.simulated(P, layout=layout, backend="reference")
-    got = ringfa4.attention(q, k, v, cp=cp, return_lse=True, **kw)
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", "0")
-    want = ringfa4.attention(q, k, v, cp=cp, return_lse=True, **kw)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-
-
-def test_ring_slots_env_is_checked(monkeypatch):
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", "many")
-    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
-    q, k, v, _ = random_qkv(1, 8, 8, 2, 2, 8)
-    with pytest.raises(ValueError, match="RINGFA4_RING_SLOTS"):
-        ringfa4.attention(q, k, v, cp=cp)
+def _sim(P, options=None, **kw):
+    return ringfa4.ContextParallel.simulated(P, backend="reference", options=options, **kw)
 
 
 @pytest.mark.parametrize("P", [4, 16])
-@pytest.mark.parametrize("slots", [0, 4])
-def test_fp32_partials_remove_the_rounding_between_steps(P, slots, monkeypatch):
-    """bf16 inputs, simulated ring (reference backend, fp32 math): with RINGFA4_FP32_PARTIALS=1 the
-    block outputs are not rounded to bf16 before merging, so out is as accurate as one full call
-    (the merged fp32 result is rounded once); with bf16 partials the error grows with P."""
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
+def test_fp32_partials_remove_the_rounding_between_steps(P):
+    """bf16 inputs, simulated ring (reference backend, fp32 math): with fp32_partials the block
+    outputs are not rounded to bf16 before merging, so out is as accurate as one full call (the
+    merged fp32 result is rounded once); with bf16 partials the error grows with P."""
     S = 2 * P * 32
     q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=P)
     ref = reference_grads(q, k, v, do, causal=True)[0]
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     full = get_backend("reference").forward(qb, kb, vb, AttnSpec(causal=True))[0]
-    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
-    errs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("RINGFA4_FP32_PARTIALS", flag)
-        errs[flag] = rel_err(ringfa4.attention(qb, kb, vb, cp=cp, causal=True), ref)
+    errs = {flag: rel_err(ringfa4.attention(qb, kb, vb, cp=_sim(P, RingOptions(fp32_partials=flag)), causal=True),
+                          ref) for flag in (False, True)}
     e_full = rel_err(full, ref)
-    assert errs["1"] <= 1.02 * e_full, (errs, e_full)
-    assert errs["1"] < errs["0"], (errs, e_full)
+    assert errs[True] <= 1.02 * e_full, (errs, e_full)
+    assert errs[True] < errs[False], (errs, e_full)
 
 
 @pytest.mark.parametrize("P", [8, 32])
-@pytest.mark.parametrize("slots", [0, 4])
-def test_ring_lse_as_accurate_as_one_call(P, slots, monkeypatch):
+def test_ring_lse_as_accurate_as_one_call(P):
     """bf16 inputs, reference backend: the ring's lse is kept in float64 across steps and rounded
     once, so its error is at most one full call's (the fp32 merges alone gave 2.1x at P = 32)."""
-    monkeypatch.setenv("RINGFA4_RING_SLOTS", str(slots))
     S = 2 * P * 32
     q, k, v, _ = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=P + 1)
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     exact = get_backend("reference", compute_dtype=torch.float64).forward(
         qb.double(), kb.double(), vb.double(), AttnSpec(causal=True))[1]
     full = get_backend("reference").forward(qb, kb, vb, AttnSpec(causal=True))[1]
-    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
-    lse = ringfa4.attention(qb, kb, vb, cp=cp, causal=True, return_lse=True)[1]
+    lse = ringfa4.attention(qb, kb, vb, cp=_sim(P), causal=True, return_lse=True)[1]
     assert lse.dtype == torch.float32
     assert rel_err(lse, exact) <= rel_err(full, exact), (rel_err(lse, exact), rel_err(full, exact))
 
 
 @pytest.mark.parametrize("P,h_kv,kw", [(16, 2, {"causal": True}), (8, 4, {"causal": True, "window": (40, 0)}),
                                          (4, 2, {"softcap": 3.0})])
-def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
-    """RINGFA4_FP32_GRADS=1 (reference backend's AccumBackward): no block gradient is rounded to
-    bf16, so dq / dk / dv are as accurate as one full call (rounded once) and more accurate than
-    with bf16 block gradients; the switch off gives the old path bit for bit."""
+def test_fp32_block_gradients(P, h_kv, kw):
+    """fp32_grads (reference backend's AccumBackward): no block gradient is rounded to bf16, so
+    dq / dk / dv are as accurate as one full call (rounded once) and more accurate than with bf16
+    block gradients; the default is on, bit for bit the same as asking for it."""
     S = 2 * P * 24
     q, k, v, do = random_qkv(1, S, S, 4, h_kv, 32, dtype=torch.float64, seed=P + h_kv)
     qb, kb, vb, dob = (t.to(torch.bfloat16) for t in (q, k, v, do))
@@ -336,32 +307,19 @@ def test_fp32_block_gradients(P, h_kv, kw, monkeypatch):
     be = get_backend("reference")
     o, l = be.forward(qb, kb, vb, AttnSpec(**kw))
     full = be.backward(dob, qb, kb, vb, o, l, AttnSpec(**kw))
-    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
 
-    def grads():
+    def grads(options=None):
         x = [t.clone().requires_grad_() for t in (qb, kb, vb)]
-        ringfa4.attention(*x, cp=cp, **kw).backward(dob)
+        ringfa4.attention(*x, cp=_sim(P, options), **kw).backward(dob)
         return [t.grad for t in x]
 
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
-    bf16 = grads()
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    fp32 = grads()
+    bf16 = grads(RingOptions(fp32_grads=False))
+    fp32 = grads(RingOptions(fp32_grads=True))
     for name, a, b, f, r in zip("qkv", fp32, bf16, full, ref):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
         assert e32 <= 1.02 * ef, (name, e32, ef)
         assert e32 < e16, (name, e32, e16)
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
-    assert all(torch.equal(a, b) for a, b in zip(grads(), bf16))
-    for auto in ("auto", None):  # the default: on, except on CUDA devices newer than Hopper
-        if auto is None:
-            monkeypatch.delenv("RINGFA4_FP32_GRADS")
-        else:
-            monkeypatch.setenv("RINGFA4_FP32_GRADS", auto)
-        assert all(torch.equal(a, b) for a, b in zip(grads(), fp32)), auto
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "yes")
-    with pytest.raises(ValueError, match="RINGFA4_FP32_GRADS"):
-        grads()
+    assert all(torch.equal(a, b) for a, b in zip(grads(), fp32))
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -370,15 +328,13 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     """An AccumBackward's ``kv_layout``: dK/dV accumulate and travel in the backend's own layout
     (FA4: its tile layout) and give the same gradients as the dense layout, bit for bit; a
     schedule with a block starting off the layout's alignment falls back to the dense layout. With
-    ``RINGFA4_DKV_GROUPS=2`` the blocks add in place into two travelling kv-head groups, each in a
-    layout of its own (one per group, gathered once per rank at the end)."""
+    ``dkv_groups=2`` the blocks add in place into two travelling kv-head groups, each in a layout
+    of its own (one per group, gathered once per rank at the end)."""
     from ringfa4.kernels.reference import _ReferenceAccum
 
     P, S = 4, 2 * 4 * 16  # zigzag chunks of 16 rows; the window's blocks start at kv rows 0, 12, 16, 28
     q, k, v, do = random_qkv(1, S, S, 4, 2, 16, dtype=torch.bfloat16, seed=7)
-    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    monkeypatch.setenv("RINGFA4_DKV_GROUPS", str(groups))
+    cp = _sim(P, RingOptions(fp32_grads=True, dkv_groups=groups))
 
     def grads():
         x = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -388,7 +344,7 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     dense = grads()
     made = []
     monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
-        HeadMajorGrads(k, cap, align)) or made[-1], raising=False)
+        HeadMajorGrads(k, cap, align)) or made[-1])
     got = grads()
     used = [lay for lay in made if lay.dense_calls]
     assert len(used) == (groups if native else 0), [m.dense_calls for m in made]
@@ -398,11 +354,10 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
 
 @pytest.mark.parametrize("decline", [False, True])
 def test_epilogue_merge_executor(decline, monkeypatch):
-    """RINGFA4_EPILOGUE_MERGE=1 with a backend offering ``forward_merge`` (the reference backend's
-    torch version of FA4's merging epilogue): every block goes through it, into (b, h, 2, s)
-    running (M, S) planes, and out / lse / grads equal the scratch-and-merge path's (float64
-    running lse); blocks the backend declines (returns None) are merged into the same planes in
-    torch."""
+    """epilogue_merge with a backend offering ``forward_merge`` (the reference backend's torch
+    version of FA4's merging epilogue): every block goes through it, into (b, h, 2, s) running
+    (M, S) planes, and out / lse / grads equal the scratch-and-merge path's (float64 running lse);
+    blocks the backend declines (returns None) are merged into the same planes in torch."""
     from ringfa4.kernels.reference import ReferenceBackend
 
     calls = []
@@ -417,47 +372,38 @@ def test_epilogue_merge_executor(decline, monkeypatch):
 
     monkeypatch.setattr(ReferenceBackend, "forward_merge", forward_merge)
     q, k, v, do = random_qkv(2, 128, 128, 4, 2, 16, dtype=torch.bfloat16, seed=5)
-    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
 
-    def run():
+    def run(options):
         x = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, lse = ringfa4.attention(*x, cp=cp, causal=True, window=(40, 0), return_lse=True)
+        out, lse = ringfa4.attention(*x, cp=_sim(4, options), causal=True, window=(40, 0), return_lse=True)
         out.backward(do)
         return [out, lse] + [t.grad for t in x]
 
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "0")
-    plain = run()
+    plain = run(RingOptions(epilogue_merge=False))
     assert not calls  # off: never called
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
-    fused = run()
+    fused = run(RingOptions(epilogue_merge=True))
     assert len(calls) >= 4 * 3
     for a, b in zip(fused, plain):  # fp32 lse to its rounding; bf16 out / grads to one bf16 ulp
         torch.testing.assert_close(a, b, rtol=1e-6 if a.dtype == torch.float32 else 2 ** -7, atol=1e-6)
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "2")
-    with pytest.raises(ValueError, match="RINGFA4_EPILOGUE_MERGE"):
-        run()
 
 
 def test_no_epilogue_merge_where_the_backend_cannot(monkeypatch):
     """A backend whose ``can_forward_merge`` says no for the inputs (FA4 on sm100) gets no
     ``forward_merge`` call: the ring runs each block into a scratch and a merge kernel, bit for bit
-    the RINGFA4_EPILOGUE_MERGE=0 results, instead of asking (and being declined) block by block."""
+    the epilogue_merge=False results, instead of asking (and being declined) block by block."""
     from ringfa4.kernels.reference import ReferenceBackend
 
     calls = []
     native = ReferenceBackend.forward_merge
     monkeypatch.setattr(ReferenceBackend, "forward_merge", lambda self, *a: calls.append(1) or native(self, *a))
     q, k, v, _ = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.bfloat16, seed=8)
-    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "0")
-    plain = ringfa4.attention(q, k, v, cp=cp, causal=True, return_lse=True)
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
+    plain = ringfa4.attention(q, k, v, cp=_sim(4, RingOptions(epilogue_merge=False)), causal=True, return_lse=True)
     monkeypatch.setattr(ReferenceBackend, "can_forward_merge", lambda self, q, v: False)
-    got = ringfa4.attention(q, k, v, cp=cp, causal=True, return_lse=True)
+    got = ringfa4.attention(q, k, v, cp=_sim(4), causal=True, return_lse=True)
     assert not calls and all(torch.equal(a, b) for a, b in zip(got, plain))
     monkeypatch.undo()
     monkeypatch.setattr(ReferenceBackend, "forward_merge", lambda self, *a: calls.append(1) or native(self, *a))
-    ringfa4.attention(q, k, v, cp=cp, causal=True)
+    ringfa4.attention(q, k, v, cp=_sim(4), causal=True)
     assert calls  # the same inputs where it can: merged in "the kernel"
 
 
@@ -471,7 +417,7 @@ def test_epilogue_merge_uninitialized_accumulator(first_covers, monkeypatch):
     from ringfa4.parallel.blocks import Block
 
     q, k, v, do = random_qkv(2, 96, 96, 4, 2, 16, dtype=torch.bfloat16, seed=6)
-    cp = ringfa4.ContextParallel.simulated(3, backend="reference")
+    cp = _sim(3)
 
     def run():
         x = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -479,7 +425,6 @@ def test_epilogue_merge_uninitialized_accumulator(first_covers, monkeypatch):
         out.backward(do)
         return [out, lse] + [t.grad for t in x]
 
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
     clean = run()
     real = torch.empty
 
@@ -494,64 +439,43 @@ def test_epilogue_merge_uninitialized_accumulator(first_covers, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, clean))
 
 
-def test_fp32_partials_default_auto(monkeypatch):
-    """Unset (auto) on the CPU equals RINGFA4_FP32_PARTIALS=1 bit for bit; a bad value names the
-    variable."""
-    from ringfa4.parallel.executor import fp32_partials
-
-    q, k, v, _ = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.bfloat16, seed=2)
-    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
-    monkeypatch.delenv("RINGFA4_FP32_PARTIALS", raising=False)
-    assert fp32_partials(torch.device("cpu")) and fp32_partials()
-    auto = ringfa4.attention(q, k, v, cp=cp, causal=True)
-    monkeypatch.setenv("RINGFA4_FP32_PARTIALS", "1")
-    assert torch.equal(auto, ringfa4.attention(q, k, v, cp=cp, causal=True))
-    monkeypatch.setenv("RINGFA4_FP32_PARTIALS", "yes")
-    with pytest.raises(ValueError, match="RINGFA4_FP32_PARTIALS"):
-        ringfa4.attention(q, k, v, cp=cp, causal=True)
-
-
-@pytest.mark.parametrize("fp32_grads", ["0", "1"])
+@pytest.mark.parametrize("fp32_grads", [False, True])
 def test_dkv_on_the_wire_in_the_input_dtype(fp32_grads, monkeypatch):
-    """RINGFA4_DKV_WIRE=input: dK/dV travel (and accumulate) in bf16; fp32 (default) keeps their
-    error flat in P. Both run, with bf16 or fp32 block gradients (the backend's AccumBackward is
-    used on either wire exactly when asked); the bf16 wire is the less accurate one at P = 16."""
+    """dkv_wire="input": dK/dV travel (and accumulate) in bf16; "fp32" (default) keeps their error
+    flat in P. Both run, with bf16 or fp32 block gradients (the backend's AccumBackward is used on
+    either wire exactly when asked); the bf16 wire is the less accurate one at P = 16."""
     from ringfa4.kernels.reference import ReferenceBackend
 
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", fp32_grads)
     begun = []
     begin = ReferenceBackend.begin_backward
     monkeypatch.setattr(ReferenceBackend, "begin_backward", lambda self, *a: begun.append(1) or begin(self, *a))
     P, S = 16, 2 * 16 * 16
     q, k, v, do = random_qkv(1, S, S, 4, 2, 32, dtype=torch.float64, seed=3)
     ref = reference_grads(q, k, v, do, causal=True)
-    cp = ringfa4.ContextParallel.simulated(P, backend="reference")
     errs = {}
     for wire in ("fp32", "input"):
-        monkeypatch.setenv("RINGFA4_DKV_WIRE", wire)
+        cp = _sim(P, RingOptions(fp32_grads=fp32_grads, dkv_wire=wire))
         qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         ringfa4.attention(qb, kb, vb, cp=cp, causal=True).backward(do.to(torch.bfloat16))
         errs[wire] = (rel_err(kb.grad, ref[3]), rel_err(vb.grad, ref[4]))
-        assert len(begun) == (P if fp32_grads == "1" else 0), (wire, len(begun))
+        assert len(begun) == (P if fp32_grads else 0), (wire, len(begun))
         begun.clear()
     assert errs["input"][0] > errs["fp32"][0] and errs["input"][1] > errs["fp32"][1], errs
-    monkeypatch.setenv("RINGFA4_DKV_WIRE", "fp16")
-    with pytest.raises(ValueError, match="RINGFA4_DKV_WIRE"):
-        ringfa4.attention(q, k, v, cp=cp, causal=True)
 
 
-def test_fp32_grads_auto_leaves_out_newer_than_hopper(monkeypatch):
-    """RINGFA4_FP32_GRADS=auto (default): on for CPU and Hopper, off on sm100 (FA4's accumulating
-    backward is only compiled there), on again with 1."""
-    from ringfa4.parallel.executor import fp32_grads
+def test_fa4_offers_fp32_paths_only_where_they_ran(monkeypatch):
+    """What FA4 offers the ring is a property of the backend and the GPU generation: the fp32
+    block outputs and the accumulating backward on sm90 (run on the H200), not on sm100 (compiled
+    only), unless the backend is built with ``untested_archs=True``."""
+    from ringfa4.kernels.fa4 import bwd_accum
+    from ringfa4.kernels.fa4.backend import Fa4Backend
 
-    monkeypatch.delenv("RINGFA4_FP32_GRADS", raising=False)
-    cap = {"now": (10, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["now"])
-    cuda = torch.device("cuda", 0)
-    assert fp32_grads(torch.device("cpu")) and fp32_grads() and not fp32_grads(cuda)
-    cap["now"] = (9, 0)
-    assert fp32_grads(cuda)
-    cap["now"] = (10, 0)
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    assert fp32_grads(cuda)
+    arch = {"now": 100}
+    monkeypatch.setattr(bwd_accum, "_arch", lambda: arch["now"])
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not Fa4Backend().fp32_block_outputs(cuda) and not Fa4Backend().fp32_block_outputs(cpu)
+    assert Fa4Backend(untested_archs=True).fp32_block_outputs(cuda)
+    arch["now"] = 90
+    assert Fa4Backend().fp32_block_outputs(cuda)
+    q = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16)  # CPU: no state whatever the arch
+    assert Fa4Backend().begin_backward(q, q, q, torch.empty(1, 2, 8), AttnSpec()) is None

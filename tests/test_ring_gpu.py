@@ -10,6 +10,7 @@ import torch
 from helpers import random_qkv, reference_grads, rel_err
 
 import ringfa4
+from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend
 from ringfa4.parallel import LoopbackTransport
 
@@ -40,10 +41,8 @@ def _run(cp, q, k, v, do, **kw):
     return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
 
 
-@pytest.mark.parametrize("copy", ["engine", "torch"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_loopback_poison_and_delay_are_exact(layout, copy, monkeypatch):
-    monkeypatch.setenv("RINGFA4_LOOPBACK_COPY", copy)
+def test_loopback_poison_and_delay_are_exact(layout):
     P = 4
     q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=1)
     kw = {"causal": True, "deterministic": True}  # FA4's default dq reduction is atomic
@@ -58,23 +57,21 @@ def test_loopback_poison_and_delay_are_exact(layout, copy, monkeypatch):
 
 
 @pytest.mark.parametrize("ring", ["kv", "q"])
-def test_in_place_dkv_groups_under_poison_and_delay(ring, monkeypatch):
+def test_in_place_dkv_groups_under_poison_and_delay(ring):
     """The default backward (fp32 block gradients; the travelling accumulators, dK/dV of the K/V
     ring or dq of the q ring, in two head groups reduce-added in place, each group waiting for its
     own hop): poisoned, delayed hops change nothing beyond the order of fp32 atomics, while a
     transport that skips its wait is caught."""
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    monkeypatch.setenv("RINGFA4_DKV_GROUPS", "2")
-    monkeypatch.setenv("RINGFA4_BWD_RING", ring)
+    opts = RingOptions(fp32_grads=True, dkv_groups=2, bwd_ring=ring)
     P = 4
     q, k, v, do = random_qkv(1, 4096, 4096, 8, 4, 128, dtype=torch.bfloat16, device="cuda", seed=2)
-    plain = _run(ringfa4.ContextParallel.simulated(P), q, k, v, do, causal=True)
+    plain = _run(ringfa4.ContextParallel.simulated(P, options=opts), q, k, v, do, causal=True)
     slow = LoopbackTransport(poison=True, delay_cycles=20_000_000)
-    hard = _run(ringfa4.ContextParallel.simulated(P, transport=slow), q, k, v, do, causal=True)
+    hard = _run(ringfa4.ContextParallel.simulated(P, transport=slow, options=opts), q, k, v, do, causal=True)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, hard):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3, msg=f"{name} changed under poisoned, delayed hops")
     broken = _NoWaitTransport(poison=True, delay_cycles=20_000_000)
-    bad = _run(ringfa4.ContextParallel.simulated(P, transport=broken), q, k, v, do, causal=True)
+    bad = _run(ringfa4.ContextParallel.simulated(P, transport=broken, options=opts), q, k, v, do, causal=True)
     assert any(not torch.allclose(a, b, rtol=2e-2, atol=2e-3) for a, b in zip(plain[2:], bad[2:])), \
         "the check cannot see a missing wait"
 
@@ -82,16 +79,15 @@ def test_in_place_dkv_groups_under_poison_and_delay(ring, monkeypatch):
 @pytest.mark.parametrize("h_kv,kw", [(8, {"causal": True}), (2, {"causal": True}), (8, {}),
                                      (8, {"causal": True, "window": (700, 0)})], ids=str)
 def test_bwd_rings_fa4(h_kv, kw, monkeypatch):
-    """Both backward rings on FA4's accumulating backward (parallel/bwd_sides.py), P = 16, h = 8:
+    """Both backward rings on FA4's accumulating backward (parallel/ring/), P = 16, h = 8:
     the q ring (q side and fp32 dq travel) and the K/V ring (K/V and fp32 dK/dV travel) each
     within 1.1x one full FA4 call's error against float64, MHA and GQA, and the two agree to fp32
     rounding of the atomics; ``auto`` takes the q ring for MHA and the K/V ring for GQA."""
-    from ringfa4.parallel import bwd_sides
+    from ringfa4.parallel.ring import backward as bwd_sides
 
     P, S = 16, 8192
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv + 40)
     ref, full = _fa4_full_grads(q, k, v, do, kw)
-    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
     used, real = [], bwd_sides.backward_side
 
     def spy(*args):
@@ -102,7 +98,7 @@ def test_bwd_rings_fa4(h_kv, kw, monkeypatch):
     monkeypatch.setattr(bwd_sides, "backward_side", spy)
     got = {}
     for ring in ("q", "kv", "auto"):
-        monkeypatch.setenv("RINGFA4_BWD_RING", ring)
+        cp = ringfa4.ContextParallel.simulated(P, backend="fa4", options=RingOptions(bwd_ring=ring))
         used.clear()
         got[ring] = _run(cp, q, k, v, do, **kw)[2:]
         got[ring + " side"] = used[0]
@@ -151,14 +147,14 @@ def test_hybrid_bf16_matches_float64(P, U, h_kv):
                                                 (8, 3200, None, "fp32"), (8, 8192, (700, 0), "fp32"),
                                                 (8, 8192, None, "input")])
 def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
-    """RINGFA4_FP32_GRADS=1 on the fa4 backend (sm90: kernels/fa4_bwd_accum.py): P = 16 causal ring
+    """fp32_grads on the fa4 backend (sm90: kernels/fa4/bwd_accum.py): P = 16 causal ring
     gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
     accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout (two kv-head groups,
     reduce-added in place) where every block starts on a kv tile (causal zigzag blocks start at kv
     row 0, also with chunks of 100 rows), else dense (this window's blocks start at kv rows 68 and
-    324). With dK/dV travelling in bf16 (``RINGFA4_DKV_WIRE=input``, one rounding a hop) dk / dv
+    324). With dK/dV travelling in bf16 (``dkv_wire="input"``, one rounding a hop) dk / dv
     are only held to the bf16-gradient ring."""
-    from ringfa4.kernels import fa4_bwd_accum as acc
+    from ringfa4.kernels.fa4 import bwd_accum as acc
 
     P = 16
     kw = dict(causal=True) if window is None else dict(causal=True, window=window)
@@ -168,13 +164,13 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
         self, buf, rows, dk, dv))
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
     ref, full = _fa4_full_grads(q, k, v, do, kw)
-    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
-    monkeypatch.setenv("RINGFA4_DKV_WIRE", wire)
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "0")
-    bf16 = _run(cp, q, k, v, do, **kw)[2:]
-    monkeypatch.setenv("RINGFA4_FP32_GRADS", "1")
-    fp32 = _run(cp, q, k, v, do, **kw)[2:]
-    groups = 2 if wire == "fp32" else 1  # in place, in two kv-head groups (RINGFA4_DKV_GROUPS=2)
+    def cp(fp32_grads):
+        return ringfa4.ContextParallel.simulated(P, backend="fa4", options=RingOptions(dkv_wire=wire,
+                                                                                      fp32_grads=fp32_grads))
+
+    bf16 = _run(cp(False), q, k, v, do, **kw)[2:]
+    fp32 = _run(cp(True), q, k, v, do, **kw)[2:]
+    groups = 2 if wire == "fp32" else 1  # in place, in two kv-head groups (dkv_groups=2)
     assert gathered == ([S // P] * P * groups if window is None else []), gathered
     for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
@@ -187,24 +183,22 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
 
 @pytest.mark.parametrize("h_kv,kw", [(8, {"causal": True}), (2, {"causal": True, "window": (700, 0)}), (2, {})],
                          ids=str)
-def test_ring_epilogue_merge_fa4(h_kv, kw, monkeypatch):
-    """RINGFA4_EPILOGUE_MERGE=1 (kernels/fa4_merge.py, sm90): every block but a rank's first when
+def test_ring_epilogue_merge_fa4(h_kv, kw):
+    """epilogue_merge (kernels/fa4/epilogue_merge.py, sm90): every block but a rank's first when
     it covers all rows (step 0, stored by the fp32-output forward into the uninitialized accumulator) merges inside
     FA4's epilogue; P = 8 ring out / lse within 1.0x one full FA4 call's error against float64
     (+1%) and equal to the scratch-and-merge ring's up to fp32 rounding."""
-    from ringfa4.kernels import fa4_fp32
+    from ringfa4.kernels.fa4 import fp32_forward as fa4_fp32
 
     P = 8
     q, k, v, do = random_qkv(1, 8192, 8192, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
     ref = reference_grads(q, k, v, do, **kw)
     be = get_backend("fa4")
     o, l = be.forward(q, k, v, AttnSpec(**kw))
-    cp = ringfa4.ContextParallel.simulated(P, backend="fa4")
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "0")
-    plain = _run(cp, q, k, v, do, **kw)
-    monkeypatch.setenv("RINGFA4_EPILOGUE_MERGE", "1")
+    plain = _run(ringfa4.ContextParallel.simulated(P, backend="fa4", options=RingOptions(epilogue_merge=False)),
+                 q, k, v, do, **kw)
     fa4_fp32._CACHE.clear()
-    fused = _run(cp, q, k, v, do, **kw)
+    fused = _run(ringfa4.ContextParallel.simulated(P, backend="fa4"), q, k, v, do, **kw)
     # the step-0 store: one kernel kind; none with this window (step 0 comes in two blocks, neither
     # covering all rows, so the accumulator is zeroed and both merge)
     stored = [key for key in fa4_fp32._CACHE if not key.merge]

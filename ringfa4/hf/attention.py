@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import attention
+from ..options import RingOptions
 from ..parallel import ContextParallel
 
 __all__ = ["CPMeta", "NAME", "auto_cp", "register"]
@@ -86,10 +87,11 @@ def register(cp: ContextParallel | None = None, name: str = NAME) -> str:
 
 
 def auto_cp(config, group=None, nvlink_domain_size: int | None = None, backend="auto",
-            layout: str = "zigzag") -> ContextParallel:
+            layout: str = "zigzag", options: RingOptions | None = None) -> ContextParallel:
     """``ContextParallel.auto`` for a transformers model config: the planner sees the model's q and
-    K/V head counts, so its Ulysses degree divides the heads (K/V replicated when fewer)."""
+    K/V head counts, so its Ulysses degree divides the heads (K/V replicated when fewer);
+    ``options``: the :class:`~ringfa4.options.RingOptions` of every call."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     return ContextParallel.auto(group, num_heads=heads, num_kv_heads=kv, nvlink_domain_size=nvlink_domain_size,
-                                backend=backend, layout=layout)
+                                backend=backend, layout=layout, options=options)

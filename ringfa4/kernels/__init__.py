@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from .merge import merge_lse, merge_lse_
 from .registry import FallbackBackend, available_backends, get_backend, resolve
-from .spec import AttnSpec, BackendUnsupported, BlockBackend, allowed_band, band_mask
+from .spec import AttnSpec, BackendUnsupported, BlockBackend, PlainBackend, allowed_band, band_mask
 from .validate import validate_block
 
 __all__ = [
-    "AttnSpec", "BackendUnsupported", "BlockBackend", "FallbackBackend", "allowed_band", "available_backends",
+    "AttnSpec", "BackendUnsupported", "BlockBackend", "FallbackBackend", "PlainBackend", "allowed_band",
+    "available_backends",
     "band_mask", "get_backend", "merge_lse", "merge_lse_", "resolve", "validate_block",
 ]

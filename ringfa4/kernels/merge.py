@@ -12,7 +12,8 @@ never NaN. (The sigmoid form ``out -= sigmoid(lse_blk - lse) * (out - out_blk)``
 accumulator at -inf.) All arguments may be views (e.g. one zigzag half of the accumulator); varlen
 tensors ``out (t, h, d)``, ``lse (h, t)`` work too. On CUDA a fused kernel does it in
 one pass: ours in CuTe DSL (:mod:`.cute_merge`), else Triton (:mod:`.merge_triton`);
-``RINGFA4_MERGE=cute|triton|torch`` forces one (``auto``: the first that takes the call).
+``impl="cute"|"triton"|"torch"`` forces one (``"auto"``: the first that takes the call; the ring
+passes ``RingOptions.merge_kernel``).
 
 The planes form (:func:`merge_planes_`) keeps the running lse as ``planes (b, h, 2, s)`` float32:
 plane 0 is M (the largest block lse so far), plane 1 is S = sum_i exp(lse_i - M), so
@@ -23,7 +24,6 @@ what FA4's merging epilogue (:mod:`.fa4_merge`) does; this is its torch version.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -59,13 +59,14 @@ def _check(out_acc, lse_acc, out_blk, lse_blk):
 
 
 def merge_lse_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor,
-               lse_blk: torch.Tensor) -> None:
-    """Merge ``(out_blk, lse_blk)`` into the fp32 accumulator ``(out_acc, lse_acc)`` in place."""
+               lse_blk: torch.Tensor, impl: str = "auto") -> None:
+    """Merge ``(out_blk, lse_blk)`` into the fp32 accumulator ``(out_acc, lse_acc)`` in place;
+    ``impl``: one of :data:`MERGE_IMPLS` (on CUDA; the CPU always runs torch)."""
+    if impl not in MERGE_IMPLS:
+        raise ValueError(f"merge impl must be one of {MERGE_IMPLS}, got {impl!r}")
     _check(out_acc, lse_acc, out_blk, lse_blk)
     if out_acc.is_cuda:
-        which = os.environ.get("RINGFA4_MERGE", "auto")
-        if which not in MERGE_IMPLS:
-            raise ValueError(f"RINGFA4_MERGE must be one of {MERGE_IMPLS}, got {which!r}")
+        which = impl
         if which in ("auto", "cute") and cute_merge_available() and merge_lse_cute_(out_acc, lse_acc, out_blk,
                                                                                      lse_blk):
             return

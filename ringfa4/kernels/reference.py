@@ -149,6 +149,10 @@ class ReferenceBackend:
             l = lse
         return o, l
 
+    def fp32_block_outputs(self, device: torch.device) -> bool:
+        """Ring blocks may hand back outputs in the compute dtype (fp32 or fp64) on any device."""
+        return True
+
     def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Dense blocks: :meth:`forward_merge` runs (in torch)."""
         return q.dim() == 4
@@ -208,6 +212,10 @@ class _ReferenceAccum:
         dk_acc += dk
         dv_acc += dv
 
+    def kv_layout(self, k: torch.Tensor, cap: int) -> None:
+        """No layout of its own: the ring keeps dK / dV dense."""
+        return None
+
     def heads(self, h0: int, h1: int) -> _ReferenceAccum:
         """The state of q heads ``[h0, h1)`` (views: dq adds into this state's accumulator)."""
         view = object.__new__(_ReferenceAccum)
@@ -219,7 +227,7 @@ class _ReferenceAccum:
     def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.acc if dtype is None else self.acc.to(dtype)
 
-    # the q side's travel (parallel/bwd_sides.py QSide): what a rank holding this q needs, and dq
+    # the q side's travel (parallel/ring/q_side.py QSide): what a rank holding this q needs, and dq
     # accumulators of head groups that travel with it
 
     def travel(self) -> tuple[torch.Tensor, ...]:

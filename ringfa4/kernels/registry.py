@@ -87,20 +87,22 @@ class FallbackBackend:
     def begin_backward(self, dout, q, out, lse, spec: AttnSpec):
         """The first backend's AccumBackward, or None (a later backend of the chain, which runs
         only calls the first refuses, is not asked: it would take over every block)."""
-        begin = getattr(self.chain[0], "begin_backward", None)
-        return begin(dout, q, out, lse, spec) if begin is not None else None
+        return self.chain[0].begin_backward(dout, q, out, lse, spec)
+
+    def fp32_block_outputs(self, device: torch.device) -> bool:
+        """Whether every backend of the chain hands back fp32 block outputs (any of them may run a
+        block)."""
+        return all(b.fp32_block_outputs(device) for b in self.chain)
 
     def can_forward_merge(self, q, v) -> bool:
         """Whether the first backend's merging forward runs for these inputs."""
-        can = getattr(self.chain[0], "can_forward_merge", None)
-        return can is not None and can(q, v)
+        return self.chain[0].can_forward_merge(q, v)
 
     def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
         """The first backend's merging forward, or None (the caller then runs ``forward`` and a merge,
         through the whole chain)."""
-        merge = getattr(self.chain[0], "forward_merge", None)
         try:
-            return merge(q, k, v, spec, out_acc, planes) if merge is not None else None
+            return self.chain[0].forward_merge(q, k, v, spec, out_acc, planes)
         except BackendUnsupported:
             return None
 
@@ -114,7 +116,7 @@ def _cached(name: str, options: tuple) -> BlockBackend:
     if name == "sdpa":
         from .sdpa import SdpaBackend
         return SdpaBackend(**kwargs)
-    from .fa4 import Fa4Backend
+    from .fa4.backend import Fa4Backend
     return Fa4Backend(**kwargs)
 
 

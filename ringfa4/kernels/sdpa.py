@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .spec import AttnSpec, BackendUnsupported
+from .spec import AttnSpec, BackendUnsupported, PlainBackend
 from .validate import validate_block
 
 __all__ = ["OPS", "SdpaBackend", "SdpaUnsupported"]
@@ -172,7 +172,7 @@ def _bwd_op(op: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return grads[0].transpose(1, 2), grads[1].transpose(1, 2), grads[2].transpose(1, 2)
 
 
-class SdpaBackend:
+class SdpaBackend(PlainBackend):
     """Block attention on ``torch.ops.aten._scaled_dot_product_{cudnn,flash,efficient}_attention``.
 
     ``ops``: the ops allowed, in order of preference (default cuDNN, flash, efficient).

@@ -21,7 +21,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "allowed_band", "band_mask"]
+__all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "KVGradLayout", "PlainBackend",
+           "allowed_band", "band_mask"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -135,22 +136,28 @@ def band_mask(spec: AttnSpec, s_q: int, s_k: int, device: torch.device | str = "
 
 @runtime_checkable
 class BlockBackend(Protocol):
-    """A provider of block attention that returns and consumes the LSE.
+    """A provider of block attention that returns and consumes the LSE. Every method is required
+    (:class:`PlainBackend` gives a backend without the ring extras their "not offered" answers).
 
     forward(q, k, v, spec, out=None, lse=None) -> (out, lse)
-        ``out``/``lse`` may be preallocated (possibly strided) views to write into.
+        ``out``/``lse`` may be preallocated (possibly strided) views to write into; an fp32 ``out``
+        for 16-bit inputs asks for the unrounded block output (where ``fp32_block_outputs``).
     backward(dout, q, k, v, out, lse, spec) -> (dq, dk, dv)
         Gradients of this block given the *global* merged ``out`` and ``lse`` of the rows (exact
         for ring steps); returned in the inputs' dtype, never accumulated into anything.
-
-    Optional, for ring backwards that keep block gradients in fp32 (see :class:`AccumBackward`):
+    fp32_block_outputs(device) -> bool
+        Whether ring blocks on ``device`` may ask ``forward`` for fp32 outputs (a property of the
+        backend and the GPU generation, e.g. FA4's fp32 forward has not run on sm100).
     begin_backward(dout, q, out, lse, spec) -> AccumBackward | None
-
-    Optional, for ring forwards that merge inside the attention kernel (fp32 accumulators):
-    can_forward_merge(q, v) -> bool: whether ``forward_merge`` runs for blocks of these inputs (the
-    ring then keeps its running lse as (M, S) planes); forward_merge(q, k, v, spec, out_acc,
-    planes) -> planes | None: the block merged into ``out_acc`` and ``planes (b, h, 2, s_q)``
-    (see ``kernels/fa4_merge.py``), None where it cannot (the ring then runs forward and a merge).
+        The accumulating state of a ring backward that keeps block gradients in fp32 (see
+        :class:`AccumBackward`); None where it cannot.
+    can_forward_merge(q, v) -> bool
+        Whether ``forward_merge`` runs for blocks of these inputs (the ring then keeps its running
+        lse as (M, S) planes).
+    forward_merge(q, k, v, spec, out_acc, planes) -> planes | None
+        The block merged into ``out_acc`` and ``planes (b, h, 2, s_q)`` (see
+        ``kernels/fa4/epilogue_merge.py``), None where it cannot (the ring then runs forward and a
+        merge).
     """
 
     name: str
@@ -163,10 +170,54 @@ class BlockBackend(Protocol):
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def fp32_block_outputs(self, device: torch.device) -> bool: ...
+
+    def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       spec: AttnSpec) -> AccumBackward | None: ...
+
+    def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool: ...
+
+    def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                      out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None: ...
+
+
+class PlainBackend:
+    """Base of a backend with only ``forward`` / ``backward``: the ring extras' "not offered"
+    answers (fp32 block outputs allowed: ``forward`` copies into a given fp32 ``out``)."""
+
+    def fp32_block_outputs(self, device: torch.device) -> bool:
+        return True
+
+    def begin_backward(self, dout, q, out, lse, spec: AttnSpec) -> None:
+        return None
+
+    def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        return False
+
+    def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes) -> None:
+        return None
+
+
+class KVGradLayout(Protocol):
+    """How a ring keeps its travelling dK / dV: flat buffers of ``numel`` elements of ``dtype``
+    that add elementwise; ``cols(buf, rows, k0, k1)`` gives what ``add_block`` receives as
+    ``dk_acc, dv_acc`` for kv rows ``[k0, k1)`` (k0 a multiple of ``align``);
+    ``write(buf, rows, dk, dv)`` puts the finished ``(b, rows, h_kv, d)`` dk, dv into ``dk, dv``
+    (the inputs' dtype). Every rank must be offered the same layout (the buffers travel)."""
+
+    numel: int
+    align: int
+    dtype: torch.dtype
+
+    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
+
 
 class AccumBackward(Protocol):
     """One ring backward's accumulating state over a rank's dense ``q (b, s_q, h, d)``, made by a
-    backend's optional ``begin_backward(dout, q, out, lse, spec)`` (None where it cannot).
+    backend's ``begin_backward(dout, q, out, lse, spec)`` (None where it cannot). Every method is
+    required.
 
     add_block(q0, q1, k, v, spec, dk_acc, dv_acc)
         Rows ``[q0, q1)`` of q against ``k, v (b, s_k, h_kv, d)`` with the block's ``spec``
@@ -175,26 +226,17 @@ class AccumBackward(Protocol):
         is rounded to the inputs' dtype.
     dq(dtype=None) -> the accumulated dq ``(b, s_q, h, d)``, fp32 (fp64 for fp64 inputs), or cast to
         ``dtype``.
-
-    Optional: heads(h0, h1) -> the state of q heads ``[h0, h1)`` only (h0, h1 multiples of h / h_kv),
-    sharing this state's dq: add_block then takes q rows of those heads against k, v of their kv
-    heads. The ring runs its backward in head groups with it, each group's dK / dV reduce-added by
-    the kernel straight into its travelling buffer (see ``parallel/executor.py``).
-
-    Optional: kv_layout(k, cap) -> a layout of the state's own for dK / dV of ``cap`` kv rows like
-    ``k``, or None (dense). The ring then keeps its travelling dK / dV in that layout: flat buffers
-    of ``layout.numel`` elements (fp32, or k's dtype on a 16-bit wire) that add elementwise;
-    ``layout.cols(buf, rows, k0, k1)`` gives what add_block receives as ``dk_acc, dv_acc`` for kv
-    rows ``[k0, k1)`` (k0 a multiple of ``layout.align``); ``layout.dense(buf, rows)`` gives ``(b, rows,
-    h_kv, d)`` dk, dv at the end, or, where the layout offers it, ``layout.write(buf, rows, dk, dv)``
-    puts them straight into dk, dv of the inputs' dtype. Every rank must be offered the same layout
-    (the buffers travel between ranks).
-
-    Optional, for the q ring backward (``parallel/bwd_sides.py``, where the q side travels and K/V
-    stay): travel() -> the state's q-side tensors another rank's blocks need (contiguous; sent as
-    they are); dq_zeros(h0, h1) / dq_empty(h0, h1) -> a dq accumulator of q heads ``[h0, h1)`` in
-    the state's layout (it travels with the q side); visiting(pieces, h0, h1, dq) -> the state of
-    heads ``[h0, h1)`` of another rank's q side ``pieces`` (its travel()), adding dq into ``dq``;
+    heads(h0, h1) -> the state of q heads ``[h0, h1)`` only (h0, h1 multiples of h / h_kv), sharing
+        this state's dq: add_block then takes q rows of those heads against k, v of their kv heads
+        (the ring's head groups, each group's dK / dV reduce-added by the kernel straight into its
+        travelling buffer).
+    kv_layout(k, cap) -> a :class:`KVGradLayout` of the state's own for dK / dV of ``cap`` kv rows
+        like ``k``, or None (the ring keeps them dense).
+    For the q ring backward (``parallel/ring/q_side.py``, where the q side travels and K/V stay):
+    travel() -> the state's q-side tensors another rank's blocks need (contiguous; sent as they
+    are); dq_zeros(h0, h1) / dq_empty(h0, h1) -> a dq accumulator of q heads ``[h0, h1)`` in the
+    state's layout (it travels with the q side); visiting(pieces, h0, h1, dq) -> the state of heads
+    ``[h0, h1)`` of another rank's q side ``pieces`` (its travel()), adding dq into ``dq``;
     dq_from(bufs, heads, dtype) -> this state's dq ``(b, s_q, h, d)`` in ``dtype`` from the head
     groups' accumulators once they are back home.
     """
@@ -203,3 +245,17 @@ class AccumBackward(Protocol):
                   dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None: ...
 
     def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+    def heads(self, h0: int, h1: int) -> AccumBackward: ...
+
+    def kv_layout(self, k: torch.Tensor, cap: int) -> KVGradLayout | None: ...
+
+    def travel(self) -> tuple[torch.Tensor, ...]: ...
+
+    def dq_zeros(self, h0: int, h1: int) -> torch.Tensor: ...
+
+    def dq_empty(self, h0: int, h1: int) -> torch.Tensor: ...
+
+    def visiting(self, pieces: tuple[torch.Tensor, ...], h0: int, h1: int, dq: torch.Tensor) -> AccumBackward: ...
+
+    def dq_from(self, bufs: list[torch.Tensor], heads: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor: ...

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import band_block, global_band
-from .executor import ExactLse
 from .memo import cached_method
 from .packing import Packing
+from .ring import calls
+from .ring.forward import ExactLse
 from .varlen import PackSchedule, VarlenCall
 
 __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
@@ -102,11 +103,12 @@ def allgather_forward(run, qs, ks, vs):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         acc = torch.zeros(q.shape[:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
-        scratch = (torch.empty_like(acc, dtype=acc.dtype if run.fp32_partials else q.dtype), torch.empty_like(lse))
+        fp32_parts = run.options.fp32_partials and run.backend.fp32_block_outputs(q.device)
+        scratch = (torch.empty_like(acc, dtype=acc.dtype if fp32_parts else q.dtype), torch.empty_like(lse))
         exact = ExactLse([lse])
         for call in run.schedule.blocks(r):
-            o, l = call.forward(run.backend, q, *kv[i], run.spec, *scratch)
-            call.merge(acc, lse, o, l)
+            o, l = calls.forward(run.backend, call, q, *kv[i], run.spec, *scratch)
+            calls.merge(call, acc, lse, o, l, run.options.merge_kernel)
             exact.add(0, call, l)
         exact.finish()
         outs.append(acc.to(q.dtype))
@@ -125,9 +127,10 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
         for call in sched.blocks(r):
-            g = call.backward(run.backend, douts[i], qs[i], *kv[i], outs[i], lses[i], run.spec)
-            call.add_dq(dq, g[0])
-            call.add_dkv(dk, dv, g[1], g[2])
+            g = calls.backward(run.backend, call, douts[i], qs[i], *kv[i], outs[i], lses[i], run.spec)
+            call.add_q(dq, g[0])
+            call.add_k(dk, g[1])
+            call.add_k(dv, g[2])
         idx = sched.global_rows(dq.device)  # back to rank-major rows, one [dk | dv] block per owner
         dk_rm = dk.new_zeros((sched.world_size * cap,) + tuple(dk.shape[1:])).index_copy_(0, idx, dk)
         dv_rm = dv.new_zeros((sched.world_size * cap,) + tuple(dv.shape[1:])).index_copy_(0, idx, dv)

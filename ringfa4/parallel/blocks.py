@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..kernels import merge_lse_
-from ..kernels.merge import merge_planes_
 from .memo import cached_method
 
 __all__ = ["Block", "band_block", "coalesce", "copy_unless_there", "global_band"]
@@ -38,60 +37,43 @@ class Block:
     def full(self) -> bool:
         return not self.causal and self.window == (None, None)
 
-    # -- execution on dense tensors q (b, s, h, d), lse (b, h, s); the executor calls only these --
+    # -- geometry on dense tensors: q (b, s, h, d), lse (b, h, s); the ring's calls (ring/calls.py)
+    # slice through these and make the kernel calls themselves --
+    token_dim: ClassVar[int] = 1
+    q_is_view: ClassVar[bool] = True  # q_rows / lse_rows are views: results land in place
+
     def covers(self, rows: int) -> bool:
         """All ``rows`` local query rows, as one slice (the first block may be copied, not merged)."""
         return self.q0 == 0 and self.q1 == rows
 
     @cached_method
-    def spec(self, base):
+    def spec(self, base, device=None):
+        """``base`` with this block's causal / window (``device`` unused: the varlen call's needs it)."""
         return base.replace(causal=self.causal, window=self.window)
 
-    def forward(self, backend, q, k, v, base, scratch_o, scratch_l):
-        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
-        return backend.forward(q[:, r], k[:, c], v[:, c], self.spec(base), out=scratch_o[:, r], lse=scratch_l[:, :, r])
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's query rows of a ``(b, s, ...)`` tensor (a view)."""
+        return x[:, self.q0:self.q1]
 
-    def forward_merge(self, backend, q, k, v, base, out_acc, planes):
-        """This block merged into its rows of ``out_acc`` and the lse ``planes (b, h, 2, s)`` inside
-        the backend's kernel; the block's lse, or None where the backend cannot."""
-        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
-        return backend.forward_merge(q[:, r], k[:, c], v[:, c], self.spec(base), out_acc[:, r], planes[..., r])
+    def k_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's key rows of a ``(b, s_k, ...)`` tensor (a view)."""
+        return x[:, self.k0:self.k1]
 
-    def merge(self, out_acc, lse_acc, o, l) -> None:
-        merge_lse_(out_acc[:, self.q0:self.q1], lse_acc[:, :, self.q0:self.q1], o, l)
+    def lse_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's rows of an lse ``(b, h, s)`` or planes ``(b, h, 2, s)`` tensor (a view)."""
+        return x[..., self.q0:self.q1]
 
-    def merge_planes(self, out_acc, planes, o, l) -> None:
-        """Merge the block's result into its rows of ``out_acc`` and the running (M, S) ``planes``."""
-        merge_planes_(out_acc[:, self.q0:self.q1], planes[..., self.q0:self.q1], o, l)
+    def put_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copy_unless_there(self.q_rows(dst), src)
 
-    def add_lse(self, lse_exact, l) -> None:
-        """``lse_exact`` (float64) rows of this block ``<- logaddexp(them, l)``."""
-        rows = lse_exact[:, :, self.q0:self.q1]
-        torch.logaddexp(rows, l, out=rows)
+    def put_lse(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copy_unless_there(self.lse_rows(dst), src)
 
-    def place(self, slot_o, slot_l, o, l) -> None:
-        """Put the block result into its rows of a combine slot (where the forward wrote it unless
-        the backend ignored ``out=``)."""
-        copy_unless_there(slot_o[:, self.q0:self.q1], o)
-        copy_unless_there(slot_l[:, :, self.q0:self.q1], l)
+    def add_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.q_rows(dst).add_(src)
 
-    def accumulate(self, state, k, v, base, dk_acc, dv_acc) -> None:
-        """This block's gradients through an AccumBackward ``state``: dq into the state, dk / dv
-        into ``dk_acc, dv_acc``, the accumulators of this block's kv columns (the executor's grad
-        layout ``cols``)."""
-        c = slice(self.k0, self.k1)
-        state.add_block(self.q0, self.q1, k[:, c], v[:, c], self.spec(base), dk_acc, dv_acc)
-
-    def backward(self, backend, dout, q, k, v, out, lse, base):
-        r, c = slice(self.q0, self.q1), slice(self.k0, self.k1)
-        return backend.backward(dout[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], self.spec(base))
-
-    def add_dq(self, dq_acc, dq) -> None:
-        dq_acc[:, self.q0:self.q1] += dq
-
-    def add_dkv(self, dk_acc, dv_acc, dk, dv) -> None:
-        dk_acc[:, self.k0:self.k1] += dk
-        dv_acc[:, self.k0:self.k1] += dv
+    def add_k(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.k_rows(dst).add_(src)
 
     @property
     def work(self) -> int:

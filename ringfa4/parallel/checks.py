@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import struct
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -13,28 +14,46 @@ import torch.distributed as dist
 
 from ..kernels import AttnSpec
 from ..kernels.validate import validate_block
-from .executor import dkv_groups, dkv_wire_fp32, fp32_grads
+from ..options import RingOptions
 from .layouts import Layout
 
-__all__ = ["CPGroup", "check_local", "exchange_and_check", "peer_failure", "post_error"]
+__all__ = ["CPGroup", "CallShape", "check_local", "exchange_and_check", "peer_failure", "post_error"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_OPTION_FIELDS = tuple(f"options.{n}" for n in RingOptions.field_names())
 _FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
-           "ulysses degree", "packing (cu_seqlens fingerprint)",
-           "ring backward switches (RINGFA4_FP32_GRADS, RINGFA4_DKV_WIRE fp32, RINGFA4_DKV_GROUPS, "
-           "RINGFA4_BWD_RING auto/kv/q)")
+           "ulysses degree", "packing (cu_seqlens fingerprint)") + _OPTION_FIELDS
 _ERROR_KEY = "ringfa4/error"
 
 
-def check_local(q, k, v, spec: AttnSpec, layout: Layout, where: str, local: bool = True) -> str | None:
-    """Local checks of one rank's inputs; the error message, or None. ``local``: the tensors are a
-    rank's shard (distributed) rather than the full sequence (simulated)."""
+@dataclass(frozen=True)
+class CallShape:
+    """What the cross-rank check compares of one call's tensors: q, k, v shapes as the whole CP
+    group sees them (dense ``(b, s_local, h, d)``; packed: ``(1, total, h, d)``), q's dtype and
+    device."""
+
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_total: int | None = None) -> CallShape:
+        """Dense tensors as they are; packed ``(t, h, d)`` ones as ``(1, packed_total, h, d)``."""
+        if packed_total is None:
+            return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device)
+        return cls(*((1, packed_total) + tuple(t.shape[1:]) for t in (q, k, v)), q.dtype, q.device)
+
+
+def check_local(q, k, v, spec: AttnSpec, layout: Layout, where: str, seq_len: int) -> str | None:
+    """Local checks of one rank's dense inputs standing for a ``seq_len``-token sequence; the
+    error message, or None."""
     try:
         validate_block(q, k, v, spec, where)
-        s = q.shape[1] * (layout.world_size if local else 1)
-        what = f"q sequence length (local {q.shape[1]} x {layout.world_size} ranks)" if local else \
-            "q sequence length"
-        layout.check_seq_len(s, what, where)
+        what = (f"q sequence length (local {q.shape[1]} x {layout.world_size} ranks)" if seq_len != q.shape[1]
+                else "q sequence length")
+        layout.check_seq_len(seq_len, what, where)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"{where}k sequence length must equal q's {q.shape[1]} under CP, got {k.shape[1]}")
     except ValueError as exc:
@@ -46,22 +65,15 @@ def _f64_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _switches(device: torch.device) -> list[int]:
-    """The environment switches that decide what the ring backward sends (buffer count, sizes,
-    dtype), as they resolve on ``device``: ranks that disagree would post mismatched hops."""
-    from .bwd_sides import bwd_ring
-
-    return [int(fp32_grads(device)), int(dkv_wire_fp32()), dkv_groups(), ("auto", "kv", "q").index(bwd_ring())]
-
-
-def _meta(q, k, v, spec: AttnSpec, layout: Layout, packing: int) -> list[int]:
+def _meta(shape: CallShape, spec: AttnSpec, layout: Layout, packing: int, options: RingOptions) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
-    return [*q.shape, *k.shape, *v.shape, _DTYPES.get(q.dtype, 0), int(spec.causal), *w,
-            _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), getattr(layout, "ring", layout).chunks_per_rank,
-            getattr(layout, "ulysses", 1), packing, *_switches(q.device)]
+    return [*shape.q, *shape.k, *shape.v, _DTYPES.get(shape.dtype, 0), int(spec.causal), *w,
+            _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), layout.ring_layout.chunks_per_rank,
+            layout.ulysses, packing, *options.encode()]
 
 
-_FIELD_SIZES = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1, 4)  # values of each of _FIELDS in the metadata vector
+# values of each of _FIELDS in the metadata vector
+_FIELD_SIZES = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1) + (1,) * len(_OPTION_FIELDS)
 
 
 def _field_slices():
@@ -83,8 +95,8 @@ def _describe(name: str, vals: list[int]):
         return None if vals[0] == -1 else struct.unpack("<d", struct.pack("<q", vals[0]))[0]
     if name == "causal":
         return bool(vals[0])
-    if name.startswith("ring backward switches"):
-        return tuple(vals)
+    if name.startswith("options."):
+        return RingOptions.decode_field(name.removeprefix("options."), vals[0])
     return {1: "contiguous", 2: "zigzag"}.get(vals[0], vals[0]) if name == "layout" else vals[0]
 
 
@@ -96,27 +108,24 @@ class CPGroup(Protocol):
     world_size: int
     layout: Layout
     timeout: datetime.timedelta
+    options: RingOptions
 
 
-def exchange_and_check(cp: CPGroup, error: str | None, q, k, v, spec: AttnSpec, packing: int = 0) -> None:
+def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: AttnSpec, packing: int = 0) -> None:
     """All-gather a fixed-size metadata vector (and an error flag) over ``cp.group``; raise the same
-    ValueError on every rank if any rank failed its local checks or the ranks disagree (each
-    collective waits at most ``cp.timeout``)."""
+    ValueError on every rank if any rank failed its local checks or the ranks disagree (shapes,
+    spec, layout, pack, and every field of ``cp.options``; each collective waits at most
+    ``cp.timeout``)."""
     group, rank, world, layout, timeout = cp.group, cp.rank, cp.world_size, cp.layout, cp.timeout
     n = 1 + sum(_FIELD_SIZES)
-    payload = None
-    if error is None:
-        try:
-            payload = _meta(q, k, v, spec, layout, packing)
-        except ValueError as exc:  # a bad switch in this process's environment: every rank raises it
-            error = f"rank {rank}: {exc}"
+    payload = None if error else _meta(shape, spec, layout, packing, cp.options)
     meta = [1 if error else 0] + ([0] * (n - 1) if error else payload)
     use_cuda = dist.get_backend(group) == "nccl"
-    device = q.device if (use_cuda and isinstance(q, torch.Tensor) and q.is_cuda) else (
+    device = shape.device if (use_cuda and shape.device.type == "cuda") else (
         torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     every = torch.empty(world * n, dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist.all_gather_into_tensor
     work = gather(every, mine, group=group, async_op=True)
     try:
         work.wait(timeout)
@@ -147,7 +156,7 @@ def _gather_text(group, world: int, text: str, device, timeout: datetime.timedel
     mine[4:4 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     mine = mine.to(device)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = dist.all_gather_into_tensor
     gather(every, mine, group=group, async_op=True).wait(timeout)
     out = []
     for row in every.view(world, -1).cpu().tolist():

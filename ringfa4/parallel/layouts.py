@@ -22,6 +22,12 @@ class Layout:
     world_size: int
     name = "base"
     chunks_per_rank = 1
+    ulysses = 1  # the Ulysses degree inside (HybridLayout: its field)
+
+    @property
+    def ring_layout(self) -> Layout:
+        """The layout of the ring level (itself; HybridLayout: its ring)."""
+        return self
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -129,6 +135,10 @@ class HybridLayout(Layout):
         super().__post_init__()
         if self.ring is None or self.ring.world_size * self.ulysses != self.world_size:
             raise ValueError(f"hybrid layout needs ring.world_size x ulysses == world_size {self.world_size}")
+
+    @property
+    def ring_layout(self) -> Layout:
+        return self.ring
 
     @property
     def multiple(self) -> int:

@@ -28,8 +28,6 @@ from .ulysses import HeadSplit
 
 __all__ = ["CPPlan", "detect_nvlink_domain", "plan_cp"]
 
-ENV_DOMAIN = "RINGFA4_NVLINK_DOMAIN"
-
 
 @dataclass(frozen=True)
 class CPPlan:
@@ -96,13 +94,11 @@ def _nvml_clique() -> tuple[str, int] | None:
 
 
 def detect_nvlink_domain(override: int | None = None, group=None) -> tuple[int, str]:
-    """NVLink domain size and where it came from: the argument, env ``RINGFA4_NVLINK_DOMAIN``,
-    NVML's GPU fabric clique (ranks of ``group`` sharing this rank's clique), ``LOCAL_WORLD_SIZE``,
-    or 1."""
+    """NVLink domain size and where it came from: the argument (``RingOptions.nvlink_domain`` or
+    ``ContextParallel.auto(nvlink_domain_size=)``), NVML's GPU fabric clique (ranks of ``group``
+    sharing this rank's clique), ``LOCAL_WORLD_SIZE``, or 1."""
     if override is not None:
         return int(override), "argument"
-    if os.environ.get(ENV_DOMAIN):
-        return int(os.environ[ENV_DOMAIN]), ENV_DOMAIN
     clique = _nvml_clique()
     if clique is not None:
         import torch.distributed as dist

@@ -10,8 +10,7 @@ readers of ``recv`` have finished.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL or gloo), with a timeout.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
-  communication stream with the same events (the simulated executor), with the driver's hint to
-  run them on the copy engines (:mod:`.copy_engine`), as an NVLink hop runs beside the kernels. ``poison`` fills receive
+  communication stream with the same events (the simulated executor). ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
 """
@@ -23,8 +22,6 @@ import math
 
 import torch
 import torch.distributed as dist
-
-from .copy_engine import engine_copy_, loopback_copy
 
 __all__ = ["LoopbackTransport", "P2PTransport", "Transport"]
 
@@ -97,11 +94,8 @@ class LoopbackTransport(Transport):
         with torch.cuda.stream(stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            if loopback_copy() == "engine":
-                engine_copy_(pairs, stream)
-            else:
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return _Handle(event=event)
@@ -173,7 +167,7 @@ class P2PTransport(Transport):
     def all_gather(self, bufs):
         (b,) = bufs
         out = b.new_empty(self.world_size * b.numel())
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = dist.all_gather_into_tensor
         self._blocking(gather(out, b, group=self.group, async_op=True))
         return [out]
 

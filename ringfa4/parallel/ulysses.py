@@ -9,13 +9,10 @@ heads its q heads need; the replicas' gradients are summed back in fp32.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
-import torch.distributed as dist
 
-__all__ = ["HeadSplit", "expand_kv_heads", "heads_to_seq", "heads_to_seq_packed", "lse_heads_to_seq",
-           "lse_heads_to_seq_packed", "seq_to_heads", "seq_to_heads_packed", "split_heads"]
+__all__ = ["HeadSplit", "UlyssesComm", "exchange", "expand_kv_heads", "heads_to_seq", "lse_heads_to_seq",
+           "seq_to_heads", "split_heads"]
 
 
 class HeadSplit:
@@ -61,139 +58,83 @@ def expand_kv_heads(x: torch.Tensor, factor: int) -> torch.Tensor:
     return x if factor == 1 else _ExpandKV.apply(x, factor)
 
 
-def split_heads(x: torch.Tensor, degree: int, u: int) -> torch.Tensor:
-    """Rank u's head slice of ``(b, s, h, d)`` (what the all-to-all gives it)."""
-    n = x.shape[2] // degree
-    return x[:, :, u * n:(u + 1) * n]
+def split_heads(x: torch.Tensor, degree: int, u: int, dim: int = 2) -> torch.Tensor:
+    """Rank u's head slice of ``x`` along its head ``dim`` (what the all-to-all gives it)."""
+    n = x.shape[dim] // degree
+    return x.narrow(dim, u * n, n)
 
 
-# -- row packing: one row per peer of the group ------------------------------------------------------
-def _rows_by_head_group(x, U):  # (b, s_l, H, d) -> (U, b*s_l*H/U*d), row j = head group j
-    b, s, h, d = x.shape
-    return x.reshape(b, s, U, h // U, d).permute(2, 0, 1, 3, 4).reshape(U, -1)
-
-
-def _seq_from_rows(rows, b, s, h, d, U):  # rows j = piece j of the sequence, heads h -> (b, U*s, h, d)
-    return rows.reshape(U, b, s, h, d).permute(1, 0, 2, 3, 4).reshape(b, U * s, h, d)
-
-
-def _rows_by_seq_piece(y, U):  # (b, U*s_l, h_u, d) -> (U, ...), row j = sequence piece j
-    b, s, h, d = y.shape
-    return y.reshape(b, U, s // U, h, d).permute(1, 0, 2, 3, 4).reshape(U, -1)
-
-
-def _heads_from_rows(rows, b, s, h, d, U):  # rows j = head group j of my piece -> (b, s, U*h, d)
-    return rows.reshape(U, b, s, h, d).permute(1, 2, 0, 3, 4).reshape(b, s, U * h, d)
-
-
-def _all_to_all(rows: torch.Tensor, group, timeout: datetime.timedelta, on_fail) -> torch.Tensor:
-    out = torch.empty_like(rows)
-    work = dist.all_to_all_single(out, rows.contiguous(), group=group, async_op=True)
-    try:
-        work.wait(timeout)
-    except Exception as exc:
-        raise on_fail(exc) from exc
-    return out
-
-
-def _exchange(tensors, group, U, timeout, on_fail, to_heads: bool):
-    """All-to-all of several (b, s, H, d) tensors in one message."""
-    pack = _rows_by_head_group if to_heads else _rows_by_seq_piece
-    rows = [pack(t, U) for t in tensors]
-    sizes = [r.shape[1] for r in rows]
-    got = _all_to_all(torch.cat(rows, dim=1), group, timeout, on_fail).split(sizes, dim=1)
-    out = []
-    for t, r in zip(tensors, got):
-        b, s, h, d = t.shape
-        out.append(_seq_from_rows(r, b, s, h // U, d, U) if to_heads else _heads_from_rows(r, b, s // U, h, d, U))
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """``exchange(tensors, *args, to_heads=...)`` forward; the inverse exchange backward."""
-
-    @staticmethod
-    def forward(ctx, exchange, args, to_heads, *tensors):
-        ctx.exchange, ctx.args, ctx.to_heads = exchange, args, to_heads
-        return tuple(exchange(tensors, *args, to_heads=to_heads))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        back = ctx.exchange([g.contiguous() for g in grads], *ctx.args, to_heads=not ctx.to_heads)
-        return (None, None, None, *back)
-
-
-# -- packed (t, H, d) tensors: the U pieces of a group may differ in length ------------------------
-def _exchange_packed(tensors, group, U, timeout, on_fail, pieces: list[int], me: int, to_heads: bool):
-    """One all-to-all of several packed tensors. to_heads: my piece (n_me, H, d) -> the group's
-    rows (sum(pieces), H/U, d); else the inverse."""
-    sends, recv_sizes, shapes = [], [0] * U, []
+# -- the exchange: (B, n_me, H, d) pieces of a group of U ranks <-> (B, sum(pieces), H/U, d) -----------
+def exchange(tensors: list[torch.Tensor], comm: UlyssesComm, to_heads: bool) -> list[torch.Tensor]:
+    """One all-to-all of several ``(B, rows, H, d)`` tensors (dense: B = batch; packed: B = 1).
+    ``to_heads``: my sequence piece ``(B, pieces[me], H, d)`` -> the group's rows in piece order
+    for my head group ``(B, sum(pieces), H/U, d)``; else the inverse. The pieces may differ in
+    length (packed documents); dense pieces are all equal."""
+    U, pieces, me = comm.degree, comm.pieces, comm.me
+    sends, shapes = [], []
     for t in tensors:
-        h, d = t.shape[1], t.shape[2]
+        b, _, h, d = t.shape
         if to_heads:  # peer j gets my rows x its head group
-            sends.append(t.reshape(t.shape[0], U, h // U * d).transpose(0, 1).reshape(U, -1))
-            shapes.append((h // U, d))
+            sends.append(t.reshape(b, t.shape[1], U, h // U, d).permute(2, 0, 1, 3, 4).reshape(U, -1).unbind(0))
+            shapes.append((b, h // U, d))
         else:  # peer j gets its piece's rows x my heads
-            sends.append([p.reshape(-1) for p in t.split(pieces, dim=0)])
-            shapes.append((h, d))
-    if to_heads:
-        send_sizes = [sum(s.shape[1] for s in sends)] * U
-        flat = torch.cat([torch.cat([s[j] for s in sends]) for j in range(U)])
-        for j in range(U):
-            recv_sizes[j] = pieces[j] * sum(hh * dd for hh, dd in shapes)
-    else:
-        send_sizes = [sum(s[j].numel() for s in sends) for j in range(U)]
-        flat = torch.cat([torch.cat([s[j] for s in sends]) for j in range(U)])
-        recv_sizes = [pieces[me] * sum(hh * dd for hh, dd in shapes)] * U
-    out = flat.new_empty(sum(recv_sizes))
-    work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group, async_op=True)
-    try:
-        work.wait(timeout)
-    except Exception as exc:
-        raise on_fail(exc) from exc
-    per_peer = out.split(recv_sizes)
-    results = []
-    offsets = [0] * U
-    for hh, dd in shapes:
+            sends.append([p.reshape(-1) for p in t.split(pieces, dim=1)])
+            shapes.append((b, h, d))
+    flat = torch.cat([torch.cat([s[j] for s in sends]) for j in range(U)])
+    send_sizes = [sum(s[j].numel() for s in sends) for j in range(U)]
+    per_row = sum(b * h * d for b, h, d in shapes)
+    recv_sizes = [pieces[j] * per_row for j in range(U)] if to_heads else [pieces[me] * per_row] * U
+    per_peer = comm.all_to_all(flat, recv_sizes, send_sizes).split(recv_sizes)
+    results, offsets = [], [0] * U
+    for b, h, d in shapes:
         parts = []
         for j in range(U):
-            n = (pieces[j] if to_heads else pieces[me]) * hh * dd
+            n = b * (pieces[j] if to_heads else pieces[me]) * h * d
             parts.append(per_peer[j][offsets[j]:offsets[j] + n])
             offsets[j] += n
-        if to_heads:  # rows of peer j's piece, my heads
-            results.append(torch.cat([p.view(-1, hh, dd) for p in parts], dim=0))
+        if to_heads:  # peer j's piece rows, my heads
+            results.append(torch.cat([p.view(b, -1, h, d) for p in parts], dim=1))
         else:  # my rows, head group j from peer j
             rows = pieces[me]
-            results.append(torch.stack([p.view(rows, hh, dd) for p in parts], 1).reshape(rows, U * hh, dd))
+            results.append(torch.stack([p.view(b, rows, h, d) for p in parts], 2).reshape(b, rows, U * h, d))
     return results
 
 
-def seq_to_heads_packed(tensors, group, degree, timeout, on_fail, pieces: list[int], me: int):
-    """Packed ``(n_me, H, d)`` each -> ``(sum(pieces), H/U, d)`` (uneven pieces allowed)."""
-    return _AllToAll.apply(_exchange_packed, (group, degree, timeout, on_fail, pieces, me), True, *tensors)
+class UlyssesComm:
+    """The Ulysses group as the exchange needs it: ``degree`` U, this rank's index ``me``, the
+    group's sequence ``pieces`` (rows of each rank), and ``all_to_all(flat, recv_sizes,
+    send_sizes)`` (a blocking all-to-all with the group's timeout and failure reporting)."""
+
+    def __init__(self, degree: int, me: int, pieces: list[int], all_to_all) -> None:
+        self.degree, self.me, self.pieces, self.all_to_all = degree, me, pieces, all_to_all
 
 
-def heads_to_seq_packed(x, group, degree, timeout, on_fail, pieces: list[int], me: int):
-    return _AllToAll.apply(_exchange_packed, (group, degree, timeout, on_fail, pieces, me), False, x)[0]
+class _AllToAll(torch.autograd.Function):
+    """:func:`exchange` forward; the inverse exchange backward."""
+
+    @staticmethod
+    def forward(ctx, comm, to_heads, *tensors):
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return tuple(exchange(list(tensors), comm, to_heads))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = exchange([g.contiguous() for g in grads], ctx.comm, not ctx.to_heads)
+        return (None, None, *back)
 
 
-def lse_heads_to_seq_packed(lse, group, degree, timeout, on_fail, pieces: list[int], me: int):
-    """``(h/U, n_group)`` -> ``(h, n_me)`` (no gradient)."""
-    y = lse.t().unsqueeze(-1).contiguous()
-    return _exchange_packed([y], group, degree, timeout, on_fail, pieces, me, to_heads=False)[0].squeeze(-1).t()
+def seq_to_heads(tensors: list[torch.Tensor], comm: UlyssesComm) -> list[torch.Tensor]:
+    """``(B, pieces[me], H, d)`` each -> ``(B, sum(pieces), H/U, d)``: one all-to-all for all of
+    them (same dtype), differentiable."""
+    return list(_AllToAll.apply(comm, True, *tensors))
 
 
-def seq_to_heads(tensors, group, degree: int, timeout: datetime.timedelta, on_fail):
-    """``(b, s/U, H, d)`` each -> ``(b, s, H/U, d)``: one all-to-all for all of them (same dtype)."""
-    return _AllToAll.apply(_exchange, (group, degree, timeout, on_fail), True, *tensors)
-
-
-def heads_to_seq(x: torch.Tensor, group, degree: int, timeout: datetime.timedelta, on_fail) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, comm: UlyssesComm) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads` for one tensor (the output), differentiable."""
-    return _AllToAll.apply(_exchange, (group, degree, timeout, on_fail), False, x)[0]
+    return _AllToAll.apply(comm, False, x)[0]
 
 
-def lse_heads_to_seq(lse: torch.Tensor, group, degree: int, timeout: datetime.timedelta, on_fail) -> torch.Tensor:
-    """``(b, h/U, s)`` float32 -> ``(b, h, s/U)`` (no gradient)."""
-    y = lse.transpose(1, 2).unsqueeze(-1)  # (b, s, h/U, 1)
-    return _exchange([y.contiguous()], group, degree, timeout, on_fail, to_heads=False)[0].squeeze(-1).transpose(1, 2)
+def lse_heads_to_seq(lse: torch.Tensor, comm: UlyssesComm) -> torch.Tensor:
+    """lse ``(B, H/U, sum(pieces))`` float32 -> ``(B, H, pieces[me])`` (no gradient)."""
+    y = lse.transpose(1, 2).unsqueeze(-1).contiguous()  # (B, s, H/U, 1)
+    return exchange([y], comm, to_heads=False)[0].squeeze(-1).transpose(1, 2)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..kernels import merge_lse_
 from ..kernels.validate import mark_valid
 from .blocks import band_block, copy_unless_there, global_band
 from .memo import cached_method
@@ -59,6 +59,17 @@ class VarlenCall:
         return base.replace(causal=self.causal, window=self.window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             max_seqlen_q=mq, max_seqlen_k=mk)
 
+    # -- geometry on packed q (t, h, d), lse (h, t); the ring's calls (ring/calls.py) slice through
+    # these: views where the call's rows are contiguous, else gathered copies put back by put_* --
+    token_dim: ClassVar[int] = 0
+
+    @property
+    def q_is_view(self) -> bool:
+        return self.q_contiguous
+
+    def covers(self, rows: int) -> bool:
+        return self.q_contiguous and self.pairs[0][0] == 0 and self.pairs[-1][1] == rows
+
     def _rows(self, x, which: str, dim: int = 0):
         if which == "q" and self.q_contiguous:
             return x.narrow(dim, self.pairs[0][0], self.pairs[-1][1] - self.pairs[0][0])
@@ -66,65 +77,38 @@ class VarlenCall:
             return x.narrow(dim, self.pairs[0][2], self.pairs[-1][3] - self.pairs[0][2])
         return x.index_select(dim, self._meta(x.device)[4 if which == "q" else 5])
 
-    # -- the executor's block interface, on packed q (t, h, d), lse (h, t) --------------------------
-    def covers(self, rows: int) -> bool:
-        return self.q_contiguous and self.pairs[0][0] == 0 and self.pairs[-1][1] == rows
+    def q_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rows(x, "q")
 
-    def forward(self, backend, q, k, v, base, scratch_o, scratch_l):
-        spec = self.spec(base, q.device)
-        qs, ks, vs = self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k")
+    def k_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rows(x, "k")
+
+    def lse_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rows(x, "q", 1)
+
+    def put_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.q_contiguous:
-            return backend.forward(qs, ks, vs, spec, out=self._rows(scratch_o, "q"), lse=self._rows(scratch_l, "q", 1))
-        return backend.forward(qs, ks, vs, spec)
-
-    def merge(self, out_acc, lse_acc, o, l) -> None:
-        if self.q_contiguous:
-            merge_lse_(self._rows(out_acc, "q"), self._rows(lse_acc, "q", 1), o, l)
-            return
-        idx = self._meta(out_acc.device)[4]
-        acc_o, acc_l = out_acc.index_select(0, idx), lse_acc.index_select(1, idx)
-        merge_lse_(acc_o, acc_l, o, l)
-        out_acc.index_copy_(0, idx, acc_o)
-        lse_acc.index_copy_(1, idx, acc_l)
-
-    def add_lse(self, lse_exact, l) -> None:
-        """``lse_exact`` (float64, ``(h, t)``) rows of this block ``<- logaddexp(them, l)``."""
-        if self.q_contiguous:
-            rows = self._rows(lse_exact, "q", 1)
-            torch.logaddexp(rows, l, out=rows)
-            return
-        idx = self._meta(lse_exact.device)[4]
-        lse_exact.index_copy_(1, idx, torch.logaddexp(lse_exact.index_select(1, idx), l))
-
-    def place(self, slot_o, slot_l, o, l) -> None:
-        """Put the block result into its rows of a combine slot (the forward wrote it there when q
-        is contiguous, unless the backend ignored ``out=``)."""
-        if self.q_contiguous:
-            copy_unless_there(self._rows(slot_o, "q"), o)
-            copy_unless_there(self._rows(slot_l, "q", 1), l)
-            return
-        idx = self._meta(slot_o.device)[4]
-        slot_o.index_copy_(0, idx, o.to(slot_o.dtype))
-        slot_l.index_copy_(1, idx, l.to(slot_l.dtype))
-
-    def backward(self, backend, dout, q, k, v, out, lse, base):
-        return backend.backward(self._rows(dout, "q"), self._rows(q, "q"), self._rows(k, "k"), self._rows(v, "k"),
-                                self._rows(out, "q"), self._rows(lse, "q", 1).contiguous(), self.spec(base, q.device))
-
-    def add_dq(self, dq_acc, dq) -> None:
-        if self.q_contiguous:
-            self._rows(dq_acc, "q").add_(dq)
+            copy_unless_there(self.q_rows(dst), src)
         else:
-            dq_acc.index_add_(0, self._meta(dq_acc.device)[4], dq.to(dq_acc.dtype))
+            dst.index_copy_(0, self._meta(dst.device)[4], src.to(dst.dtype))
 
-    def add_dkv(self, dk_acc, dv_acc, dk, dv) -> None:
+    def put_lse(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.q_contiguous:
+            copy_unless_there(self.lse_rows(dst), src)
+        else:
+            dst.index_copy_(1, self._meta(dst.device)[4], src.to(dst.dtype))
+
+    def add_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.q_contiguous:
+            self.q_rows(dst).add_(src)
+        else:
+            dst.index_add_(0, self._meta(dst.device)[4], src.to(dst.dtype))
+
+    def add_k(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.k_contiguous:
-            self._rows(dk_acc, "k").add_(dk)
-            self._rows(dv_acc, "k").add_(dv)
+            self.k_rows(dst).add_(src)
         else:
-            idx = self._meta(dk_acc.device)[5]
-            dk_acc.index_add_(0, idx, dk.to(dk_acc.dtype))
-            dv_acc.index_add_(0, idx, dv.to(dv_acc.dtype))
+            dst.index_add_(0, self._meta(dst.device)[5], src.to(dst.dtype))
 
 
 @dataclass(frozen=True, eq=False)

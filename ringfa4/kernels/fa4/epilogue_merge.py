@@ -1,10 +1,10 @@
 """A ring step's FA4 forward that merges its block straight into the ring's fp32 accumulator.
 
-The ring forward otherwise writes each block's output (fp32, :mod:`.fa4_fp32`) to a scratch and a
+The ring forward otherwise writes each block's output (fp32, :mod:`.fp32_forward`) to a scratch and a
 separate merge kernel reads it back with the accumulator: per element 4 bytes written and 12 read
 or written again by the merge, memory-bound passes that were most of the ring's forward overhead
 on the H200 (64k, P = 8: the merges ran at ~3.9 TB/s, the copy ceiling). Here the epilogue of
-FA4's sm90 forward (``_Sm90Fp32Out`` of :mod:`.fa4_fp32`, subclassed again) does the merge while
+FA4's sm90 forward (``_Sm90Fp32Out`` of :mod:`.fp32_forward`, subclassed again) does the merge while
 the normalized block output is still in registers:
 
     the running lse is kept as (M, S): M = the largest block lse so far, S = sum_i exp(lse_i - M),
@@ -39,21 +39,23 @@ import math
 
 import torch
 
-__all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
+from .fp32_forward import Compiled, _forward, _sm90_class, _spec
+from .fp32_forward import compile_only as fp32_compile_only
+
+__all__ = ["can_implement", "check_planes", "compile_only", "fa4_forward_merge_"]
 
 # The epilogue issues every global load (the rows' (M, S), the accumulator tile) before it computes
-# or stores anything; False: the accumulator row by row after the (M, S) writes, the first version.
-# Read when the class is built (benchmarks/fa4_merge_epilogue.py times both in one process; on the
-# H200 hoisting saved 0.1-0.9% of the kernel's time).
+# or stores anything (on the H200 that saved 0.1-0.9% of the kernel's time over loading the
+# accumulator row by row after the (M, S) writes).
 # Tried and dropped, since each was slower on the H200 (64k ring block shapes, one process each):
 # - the tile's accumulator rows and (M, S) prefetched into L2 at the tile's first kv block, or at kv
 #   block 1, 2, 4 or 8 of its mainloop: -0.1 to +2.3 points over these loads
-#   (benchmarks/results/fa4_merge_epilogue{_prefetch,_lead}_h200.json);
+#   (docs/experiments.md);
 # - the same copied into 65 KB of the shared memory FA4 leaves free, by cp.async issued at the first
 #   kv block (or block 2 or 8), the epilogue reading shared memory: +1 to +3 points with 8-byte copies
-#   in the MMA fragment's order (fa4_merge_epilogue_async_h200.json, fa4_merge_async_tried.patch),
+#   in the MMA fragment's order (git tag tried/merge-cp-async-8b, docs/experiments.md),
 #   +0.6 to +1.6 points with 16-byte copies into a swizzled row-major tile (issued at kv
-#   block 2: +5 to +6; fa4_merge_epilogue_async16_h200.json, fa4_merge_async16_tried.patch).
+#   block 2: +5 to +6; git tag tried/merge-cp-async-16b).
 # Nsight Compute (benchmarks/ncu_merge_epilogue.sh, 8k x 4k; benchmarks/results/ncu/) shows where
 # the merge's time goes: the epilogue waiting for these loads (long scoreboard at the first use of
 # (M, S): 5.8k stall samples after the last matmul against 2.3k for the fp32 store, of ~82k). The
@@ -64,7 +66,6 @@ __all__ = ["can_implement", "check_planes", "fa4_forward_merge_"]
 # producer warp group with an mbarrier, so the MMA warps issue nothing; its tensor map has to reach
 # FA4's kernel as a parameter, which its __call__ / kernel signatures have no room for (a change
 # upstream, or a subclass re-declaring both).
-_HOIST_LOADS = True
 
 
 @functools.cache
@@ -74,8 +75,6 @@ def _sm90_merge_class() -> type:
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
     from quack import layout_utils
-
-    from .fa4_fp32 import _sm90_class
 
     log2_e = math.log2(math.e)
 
@@ -107,7 +106,7 @@ def _sm90_merge_class() -> type:
                 if t0OcO[m, 0][0] < rows_left:
                     run_m[m] = Float32(tOgRun[m, 0])
                     run_s[m] = Float32(tOgSum[m, 0])
-                    if const_expr(_HOIST_LOADS and not self.check_hdim_v_oob):
+                    if const_expr(not self.check_hdim_v_oob):
                         cute.autovec_copy(tOgO[m, None], prev[m, None])
             w_acc = cute.make_rmem_tensor_like(lse, Float32)
             w_blk = cute.make_rmem_tensor_like(lse, Float32)
@@ -139,8 +138,6 @@ def _sm90_merge_class() -> type:
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[0])):
                 if t0OcO[m, 0][0] < rows_left:
                     if const_expr(not self.check_hdim_v_oob):
-                        if const_expr(not _HOIST_LOADS):
-                            cute.autovec_copy(tOgO[m, None], prev[m, None])
                         for n in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                             prev[m, n] = w_acc[m] * prev[m, n] + w_blk[m] * tOrO[m, n]
                         cute.autovec_copy(prev[m, None], tOgO[m, None])
@@ -173,11 +170,17 @@ def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_ac
                        planes: torch.Tensor, *, causal: bool, softmax_scale: float,
                        window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0) -> torch.Tensor:
     """Attention of ``q (b, s_q, h, d)`` over ``k, v (b, s_k, h_kv, d)`` (fp16 / bf16; masks as in
-    :func:`.fa4_fp32.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the
+    :func:`.fp32_forward.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the
     running ``planes (b, h, 2, s_q)`` float32 (M, S) in place (see the module doc). Returns
     ``planes``."""
-    from .fa4_fp32 import _forward, _spec
-
     check_planes(planes, q)
-    _forward(q, k, v, _spec(causal, softmax_scale, window, softcap), out_acc, planes[:, :, 0], merge=True)
+    _forward(q, k, v, _spec(causal, softmax_scale, window, softcap), out_acc, planes[:, :, 0],
+             merge_class=_sm90_merge_class)
     return planes  # a block that ran nothing (no rows, or no keys) adds nothing
+
+
+def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,
+                 **kwargs) -> Compiled:
+    """Compile (without running) the merging forward for ``arch`` (sm90) on fake CUDA tensors; the
+    arguments of :func:`.fp32_forward.compile_only`."""
+    return fp32_compile_only(arch, dtype, head_dim, causal, merge_class=_sm90_merge_class, **kwargs)

@@ -1,4 +1,4 @@
-"""How FA4 runs its backward on each GPU generation, for :mod:`.fa4_bwd_accum`: the tiles, the fp32
+"""How FA4 runs its backward on each GPU generation, for :mod:`.bwd_accum`: the tiles, the fp32
 accumulators' roundings, the main kernel object and the postprocess that reads the accumulators.
 
 One :class:`BwdPlan` per (arch, head_dim), chosen as ``interface._flash_attn_bwd`` chooses:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .spec import AttnSpec, BackendUnsupported
-from .validate import validate_block
+from ..spec import AttnSpec, BackendUnsupported
+from ..validate import validate_block
 
 __all__ = ["Fa4Backend", "Fa4Unsupported"]
 
@@ -71,13 +71,13 @@ def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: tor
 
 
 def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None):
-    """Dense calls through :func:`ringfa4.kernels.fa4_fp32.fa4_forward_fp32`; varlen calls (no
+    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.fa4_forward_fp32`; varlen calls (no
     fp32 kernel yet) run FA4's own forward and widen its output."""
     if spec.varlen:
         o, l = _kernels()[0](q, k, v, **_common(q, spec), return_lse=True, lse=lse)[:2]
         out.copy_(o)
         return out, l
-    from .fa4_fp32 import fa4_forward_fp32
+    from .fp32_forward import fa4_forward_fp32
 
     return fa4_forward_fp32(q, k, v, causal=spec.causal, softmax_scale=spec.scale(q.shape[-1]),
                             window=(spec.window_left, spec.window_right), softcap=spec.softcap, out=out, lse=lse)
@@ -105,9 +105,30 @@ class Fa4Backend:
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
     q's dtype, computed from the given (globally merged) ``out`` and ``lse``.
     Raises :class:`Fa4Unsupported` (a NotImplementedError) for calls FA4 cannot run.
+
+    What this backend offers a ring beyond FA4's own calls depends on the GPU generation, and on
+    whether that path has run on such a GPU: ``RAN_ON`` lists the generations (FA4 arch // 10)
+    where the fp32-output forward and the accumulating backward passed the GPU tests (sm90: the
+    H200). On others (sm100: compiled in CI, never run) the ring rounds block outputs to q's dtype
+    and uses the per-block backward, unless ``untested_archs=True`` (for experiments on new
+    hardware: ``get_backend("fa4", untested_archs=True)``).
     """
 
     name = "fa4"
+    RAN_ON = (9,)
+
+    def __init__(self, untested_archs: bool = False) -> None:
+        self.untested_archs = untested_archs
+
+    def _ran_here(self) -> bool:
+        from .bwd_accum import _arch
+
+        return self.untested_archs or _arch() // 10 in self.RAN_ON
+
+    def fp32_block_outputs(self, device: torch.device) -> bool:
+        """Whether ring blocks on ``device`` get fp32 outputs (our fp32-epilogue forward) where it
+        has run on this GPU generation (see the class doc)."""
+        return device.type == "cuda" and self._ran_here()
 
     @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
@@ -168,24 +189,24 @@ class Fa4Backend:
     def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether :meth:`forward_merge` runs for dense blocks of these inputs (sm90, 16-bit,
         d == d_v): elsewhere (sm100) the ring merges with a kernel after each fp32 block."""
-        from . import fa4_merge
-        from .fa4_bwd_accum import _arch
+        from . import epilogue_merge
+        from .bwd_accum import _arch
 
         return q.dim() == 4 and q.device.type == "cuda" and q.dtype in _DTYPES and v.shape[-1] == q.shape[-1] \
-            and fa4_merge.can_implement(_arch())
+            and epilogue_merge.can_implement(_arch())
 
     @torch.compiler.disable
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
-        """One ring block merged inside FA4's epilogue (:mod:`.fa4_merge`, sm90): ``out_acc (b, s_q,
+        """One ring block merged inside FA4's epilogue (:mod:`.epilogue_merge`, sm90): ``out_acc (b, s_q,
         h, d)`` float32 and the running ``planes (b, h, 2, s_q)`` (M, S) updated in place;
         returns ``planes``, or None, touching nothing, where it cannot run (varlen,
         not sm90, d != d_v, head dims FA4 lacks): the caller then runs forward and a merge."""
-        from . import fa4_merge
-        from .fa4_bwd_accum import _arch
+        from . import epilogue_merge
+        from .bwd_accum import _arch
 
         if spec.varlen or q.dim() != 4 or q.device.type != "cuda" or q.dtype not in _DTYPES \
-                or v.shape[-1] != q.shape[-1] or not fa4_merge.can_implement(_arch()):
+                or v.shape[-1] != q.shape[-1] or not epilogue_merge.can_implement(_arch()):
             return None
         validate_block(q, k, v, spec)
         try:
@@ -193,9 +214,9 @@ class Fa4Backend:
         except Fa4Unsupported:  # forward raises it then, through the caller's fallback
             return None
         _check_buffer(out_acc, "out_acc", tuple(q.shape), torch.float32, q)
-        fa4_merge.check_planes(planes, q)
+        epilogue_merge.check_planes(planes, q)
         try:
-            return fa4_merge.fa4_forward_merge_(q, k, v, out_acc, planes, causal=spec.causal,
+            return epilogue_merge.fa4_forward_merge_(q, k, v, out_acc, planes, causal=spec.causal,
                                                 softmax_scale=spec.scale(q.shape[-1]),
                                                 window=(spec.window_left, spec.window_right), softcap=spec.softcap)
         except (ValueError, TypeError, NotImplementedError):  # head dims etc.: raised before anything ran
@@ -206,11 +227,11 @@ class Fa4Backend:
         """FA4's backward with fp32 dq / dk / dv across a ring (``fa4_bwd_accum``: one preprocess,
         dq reduce-added into one fp32 accumulator, one postprocess); None where it cannot run
         (not sm90 / sm100, varlen, deterministic, head dims it does not cover)."""
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         if spec.varlen or q.dim() != 4 or spec.deterministic or q.device.type != "cuda" or q.dtype not in _DTYPES:
             return None
-        if not acc.can_implement(acc._arch(), q.dtype, q.shape[-1], out.shape[-1]):
+        if not self._ran_here() or not acc.can_implement(acc._arch(), q.dtype, q.shape[-1], out.shape[-1]):
             return None
         try:
             state = acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(q.shape[-1]),
@@ -221,24 +242,24 @@ class Fa4Backend:
 
 
 class _Fa4Accum:
-    """AccumBackward over :mod:`.fa4_bwd_accum` (see there)."""
+    """AccumBackward over :mod:`.bwd_accum` (see there)."""
 
     def __init__(self, state) -> None:
         self.state = state
 
     def add_block(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                   dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         add = acc.accumulate_tiles if dk_acc.dim() == 3 else acc.accumulate  # FA4-layout (kv_layout) or dense
         add(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
             window=(spec.window_left, spec.window_right))
 
     def kv_layout(self, k: torch.Tensor, cap: int):
-        """dK / dV kept in FA4's tile layout across the ring (:class:`fa4_bwd_accum.TileKVLayout`):
+        """dK / dV kept in FA4's tile layout across the ring (:class:`bwd_accum.TileKVLayout`):
         each block's kernel reduce-adds into the travelling accumulator; at the end FA4's
         postprocess writes them out (``write``)."""
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         return acc.TileKVLayout(self.state, k, cap)
 
@@ -250,11 +271,11 @@ class _Fa4Accum:
     def dq(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The accumulated dq: float32 by default, or straight to ``dtype`` (q's: FA4's dQ
         postprocess, one pass)."""
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         return acc.finish(self.state, torch.float32 if dtype is None else dtype)
 
-    # the q side's travel (parallel/bwd_sides.py QSide): FA4's q-side tensors and dq accumulators
+    # the q side's travel (parallel/ring/q_side.py QSide): FA4's q-side tensors and dq accumulators
     # of head groups (its dq_accum layout) that travel with them
 
     def travel(self) -> tuple[torch.Tensor, ...]:
@@ -272,7 +293,7 @@ class _Fa4Accum:
         return torch.empty(b, h1 - h0, length, dtype=torch.float32, device=self.state.q.device)
 
     def _group(self, pieces, h0: int, h1: int, dq: torch.Tensor) -> _Fa4Accum:
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         st, n = self.state, h1 - h0
         q, dout, dpsum, lse_log2 = pieces
@@ -287,7 +308,7 @@ class _Fa4Accum:
     def dq_from(self, bufs: list[torch.Tensor], heads: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
         """dq of this state's q in ``dtype`` from the head groups' accumulators (back home): FA4's dQ
         postprocess once per group, into that group's heads."""
-        from . import fa4_bwd_accum as acc
+        from . import bwd_accum as acc
 
         dq = torch.empty(self.state.q.shape, dtype=dtype, device=self.state.q.device)
         for buf, (h0, h1) in zip(bufs, heads, strict=True):

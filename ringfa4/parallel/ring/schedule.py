@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .blocks import Block, band_block, coalesce, global_band
-from .layouts import Layout
-from .memo import cached_method
+from ..blocks import Block, band_block, coalesce, global_band
+from ..layouts import Layout
+from ..memo import cached_method
 
 __all__ = ["RingSchedule", "ring_schedule"]
 
@@ -37,6 +37,15 @@ class RingSchedule:
     @property
     def num_steps(self) -> int:
         return self.layout.world_size
+
+    @cached_method
+    def rows(self, rank: int) -> int:
+        """Local tokens of ``rank``."""
+        return sum(n for _, n in self.layout.segments(self.seq_len, rank))
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.rows(r) for r in range(self.world_size))
 
     @staticmethod
     def source(rank: int, step: int, world_size: int) -> int:

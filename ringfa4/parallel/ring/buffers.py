@@ -1,33 +1,15 @@
 """The buffers a ring step reads and sends: K/V (and dK/dV) of every local rank, sized for the
-largest rank, and the helpers that give a rank's rows and the accumulation dtype."""
+largest rank (packed ranks hold different counts)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .executor import RingRun
+from .run import row_dim, with_rows
 
-__all__ = ["KVBuffers", "KVRing", "acc_dtype", "cap_of", "lse_shape", "row_dim", "rows_of", "with_rows"]
-
-
-def row_dim(x: torch.Tensor) -> int:
-    """Token dim: 1 for dense (b, s, h, d), 0 for packed (t, h, d)."""
-    return 0 if x.dim() == 3 else 1
-
-
-def with_rows(x: torch.Tensor, rows: int) -> tuple[int, ...]:
-    shape = list(x.shape)
-    shape[row_dim(x)] = rows
-    return tuple(shape)
-
-
-def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
-    return (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
-
+__all__ = ["KVBuffers", "KVRing"]
 
 class KVBuffers:
     """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
@@ -67,19 +49,6 @@ class KVBuffers:
         return self.view(buf, self.cap)
 
 
-def acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def rows_of(run: RingRun, rank: int, x: torch.Tensor) -> int:
-    rows = getattr(run.schedule, "rows", None)
-    return rows(rank) if rows is not None else x.shape[row_dim(x)]
-
-
-def cap_of(run: RingRun, x: torch.Tensor) -> int:
-    return getattr(run.schedule, "max_rows", x.shape[row_dim(x)])
-
-
 class KVRing:
     """The K/V a rank holds while they travel, as ``(k, v)`` pieces of ``cap`` rows: ``cur`` (this
     step's), ``nxt`` (the next hop's receive buffer); ``swap`` after the hop. Where every rank holds
@@ -87,7 +56,7 @@ class KVRing:
     themselves, with no copy into a buffer; a spare buffer takes their place after the first hop,
     so the inputs are never received into."""
 
-    def __init__(self, run: RingRun, bufs: KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+    def __init__(self, bufs: KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         direct = all(k.shape[row_dim(k)] == bufs.cap and k.is_contiguous() and v.is_contiguous()
                      for k, v in zip(ks, vs))
         self.cur = [(k, v) if direct else bufs.pieces(bufs.filled(k, v)) for k, v in zip(ks, vs)]

@@ -16,7 +16,7 @@ bf16 block gradients. Here FA4's own compiled kernels are called directly:
   tile_n rows per tile, register order), which are then gathered into the caller's fp32
   ``(b, s_k, h_kv, d)`` accumulators. MHA: FA4 selects the fp32 dK/dV path only through
   ``qhead_per_kvhead > 1`` (sm90, compile-time) or an attribute set from it in ``__call__`` (sm100);
-  :mod:`.fa4_bwd_plan` builds the kernels that take that path for MHA too, and holds each
+  :mod:`.bwd_plan` builds the kernels that take that path for MHA too, and holds each
   generation's tiles, roundings and postprocess arguments (:class:`~.fa4_bwd_plan.BwdPlan`).
 * :func:`finish` runs FA4's dQ postprocess once (bf16 / fp16 dq), or gathers fp32 dq.
 
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .fa4_bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
+from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
 
 __all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
            "can_implement", "finish", "prepare"]
@@ -295,6 +295,8 @@ class TileKVLayout:
     gathers them in fp32 (the fallback for a 16-bit buffer). The executor's KV-gradient layout
     protocol: ``numel``, ``align`` (every block's first kv row must be a multiple), ``cols``,
     ``dense``, ``write``."""
+
+    dtype = torch.float32  # the travelling buffers' dtype
 
     def __init__(self, state: BwdAccumState, k: torch.Tensor, cap: int) -> None:
         self.state = state

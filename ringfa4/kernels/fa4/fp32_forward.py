@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from .spec import AttnSpec
+from ..spec import AttnSpec
 
 __all__ = ["Compiled", "Fp32Key", "compile_only", "fa4_forward_fp32"]
 
@@ -61,11 +62,12 @@ class Fp32Key:
     mma_pv_is_rs: bool  # sm90 only
     intra_wg_overlap: bool  # sm90 only
     broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
-    merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4_merge.py)
+    merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4/epilogue_merge.py)
 
 
 # Tried on the H200 and dropped (benchmarks/fa4_merge_epilogue.py, 64k ring block shapes; the code
-# is in benchmarks/results/*_tried.patch; both passed the GPU tests, the persistent one bit for bit):
+# is in the git tags tried/fa4-tma-store and tried/fa4-persistent, docs/experiments.md; both passed
+# the GPU tests, the persistent one bit for bit):
 # - O through a float32 sO (over sQ and sK's first stage) and FA4's TMA store, whose atom FA4 builds
 #   for a float32 O: +3.9 / +2.4 / +1.7% over FA4 (8k x 4k, 4k x 8k, 8k causal) against +2.6 / +2.4 /
 #   +1.5% for these register stores, same process (fa4_merge_epilogue_tma_h200.json);
@@ -143,7 +145,7 @@ def _sm90_class() -> type:
     return _Sm90Fp32Out
 
 
-def _make_kernel(key: Fp32Key) -> Any:
+def _make_kernel(key: Fp32Key, sm90_class: Callable[[], type]) -> Any:
     from flash_attn.cute import utils
     from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 
@@ -153,8 +155,7 @@ def _make_kernel(key: Fp32Key) -> Any:
     if key.arch // 10 == 9:
         from flash_attn.cute.interface import torch2cute_dtype_map
 
-        from .fa4_merge import _sm90_merge_class
-        cls = _sm90_merge_class() if key.merge else _sm90_class()
+        cls = sm90_class()
         return cls(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, tile_m=key.tile_m,
                              tile_n=key.tile_n, num_stages=2, num_threads=384, Q_in_regs=False,
                              intra_wg_overlap=key.intra_wg_overlap, mma_pv_is_rs=key.mma_pv_is_rs, **common)
@@ -200,11 +201,11 @@ class Compiled(NamedTuple):
 _CACHE: dict[Fp32Key, Compiled] = {}
 
 
-def _compile(key: Fp32Key, tensors: tuple, launch: _Launch) -> Compiled:
+def _compile(key: Fp32Key, tensors: tuple, launch: _Launch, sm90_class: Callable[[], type]) -> Compiled:
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
-    kernel = _make_kernel(key)
+    kernel = _make_kernel(key, sm90_class)
     q, k, v, o, lse = tensors
     cute_tensors = (*(to_cute_tensor(t) for t in (q, k, v)), to_cute_tensor(o, assumed_align=16),
                     to_cute_tensor(lse, assumed_align=4))
@@ -255,10 +256,13 @@ def _spec(causal: bool, softmax_scale: float, window: tuple[int | None, int | No
     return AttnSpec(causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap)
 
 
-def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None, merge: bool = False):
+def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
+             merge_class: Callable[[], type] | None = None):
     """fa4_forward_fp32 for ``spec`` (causal, softmax_scale, window, softcap), also returning the
-    cache key (None when nothing ran). ``merge``: out and lse are the accumulator and running-lse
-    plane of :func:`.fa4_merge.fa4_forward_merge_` (required)."""
+    cache key (None when nothing ran). ``merge_class``: the sm90 kernel class whose epilogue merges
+    (:mod:`.epilogue_merge` passes its own; this module never imports it): out and lse are then the
+    accumulator and running-lse plane of :func:`.epilogue_merge.fa4_forward_merge_` (required)."""
+    merge = merge_class is not None
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -315,7 +319,7 @@ def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None, merge: 
     o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
     launch = _Launch(softmax_scale, wl, wr, s_q)
     if key not in _CACHE:
-        _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch)
+        _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch, merge_class or _sm90_class)
     if not is_fake_mode():
         _CACHE[key].fn(*_kernel_args(arch, tuple(t.detach() for t in (q, k, v, o_k, lse_k)), launch))
         if split:  # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
@@ -326,10 +330,11 @@ def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None, merge: 
 
 def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,
                  *, window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0,
-                 shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4), merge: bool = False) -> Compiled:
+                 shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4),
+                 merge_class: Callable[[], type] | None = None) -> Compiled:
     """Compile (without running) the fp32-output forward for ``arch`` ('sm_90a', 'sm_100a', 90, 100)
-    on fake CUDA tensors of ``shape = (b, s_q, s_k, h, h_kv)``; returns the cache entry. ``merge``:
-    the merging variant (sm90, :mod:`.fa4_merge`).
+    on fake CUDA tensors of ``shape = (b, s_q, s_k, h, h_kv)``; returns the cache entry.
+    ``merge_class``: the merging variant's kernel class (sm90: :func:`.epilogue_merge.compile_only`).
 
     Needs no GPU, but the process must target that arch before cutlass is first imported
     (``CUTE_DSL_ARCH=sm_90a`` / ``sm_100a``; FA4 also reads ``FLASH_ATTENTION_ARCH``), and CUDA
@@ -340,6 +345,7 @@ def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim:
 
     arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
     b, s_q, s_k, h, h_kv = shape
+    merge = merge_class is not None
     with FakeTensorMode():
         q = torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda")
         kv = torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda")
@@ -347,5 +353,5 @@ def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim:
         planes = torch.empty(b, h, 2, s_q, dtype=torch.float32, device="cuda")
         run = planes.narrow(2, 0, 1).squeeze(2) if merge else None  # narrow: [] needs CUDA on fake tensors
         spec = _spec(causal, head_dim ** -0.5, window, softcap)
-        _, _, key = _forward(q, kv, kv, spec, out, run, arch_num, merge=merge)
+        _, _, key = _forward(q, kv, kv, spec, out, run, arch_num, merge_class)
     return _CACHE[key]

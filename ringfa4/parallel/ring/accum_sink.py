@@ -1,0 +1,127 @@
+"""dK/dV through the backend's accumulating backward (block gradients never rounded): the sink,
+the dense gradient layout, and the helpers the q side shares with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import calls
+from .buffers import KVBuffers
+from .run import RingRun, acc_dtype, cap_of
+
+__all__ = ["AccumGradSink", "DenseGrads", "HeadGroups", "accum_states", "grad_layout", "write_dkv"]
+
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """The kv-head groups dK/dV travel in: ``heads[g]`` = group g's ``(start, stop)`` kv heads,
+    ``layouts[g]`` its accumulator layout, ``states[g]`` the per-rank AccumBackward states of its
+    q heads."""
+
+    states: list[list]
+    layouts: list
+    heads: list[tuple[int, int]]
+
+
+class AccumGradSink:
+    """dK/dV through the backend's AccumBackward states, in the kv-head ``groups``
+    (:class:`HeadGroups`); ``full``: the per-rank states over all heads; ``inputs``: the per-rank
+    (qs, ks, vs). In place: blocks add straight into the travelling buffer; else into a zeroed
+    fp32 scratch that is added to the buffer after the hop (a :class:`~.protocols.GradSink`)."""
+
+    def __init__(self, run: RingRun, full: list, groups: HeadGroups, in_place: bool, inputs: tuple[list, list, list],
+                 dtype: torch.dtype) -> None:
+        self.run, self.full, self.in_place, self.dtype = run, full, in_place, dtype
+        self.states, self.layouts, self.heads = groups.states, groups.layouts, groups.heads
+        self.groups = len(groups.layouts)
+        self.qs, self.ks, self.vs = inputs
+        acc = acc_dtype(self.qs[0])
+        self.scratch = None if in_place else [torch.empty(self.layouts[0].numel, dtype=acc, device=k.device)
+                                              for k in self.ks]
+
+    def zeros(self, g: int, device) -> torch.Tensor:
+        return torch.zeros(self.layouts[g].numel, dtype=self.dtype, device=device)
+
+    def empty(self, g: int, device) -> torch.Tensor:
+        return torch.empty(self.layouts[g].numel, dtype=self.dtype, device=device)
+
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+        if not blocks:
+            return None
+        target = dst if self.in_place else self.scratch[i].zero_()
+        a, b = self.heads[g]
+        k_g, v_g = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
+        for blk in blocks:
+            calls.accumulate(self.states[g][i], blk, k_g, v_g, self.run.spec,
+                             *self.layouts[g].cols(target, rows, blk.k0, blk.k1))
+        return None if self.in_place else target
+
+    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
+        if mine is not None:
+            buf += mine  # same layout, same held rows: one elementwise add (rounded to a k-dtype wire)
+
+    def dq(self) -> list[torch.Tensor]:
+        return [st.dq(q.dtype) for st, q in zip(self.full, self.qs)]
+
+    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+        dks, dvs = [], []
+        for i, n in enumerate(rows):
+            k, v = self.ks[i], self.vs[i]
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            for g, (a, b) in enumerate(self.heads):
+                write_dkv(self.layouts[g], bufs[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
+            dks.append(dk)
+            dvs.append(dv)
+        return dks, dvs
+
+
+def write_dkv(layout, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """A layout's finished dK/dV into ``dk, dv`` (the inputs' dtype)."""
+    layout.write(buf, rows, dk, dv)
+
+
+class DenseGrads:
+    """dK/dV as dense ``(b, rows, h_kv, d)`` views of :class:`KVBuffers` (the executor's own layout;
+    the backend's AccumBackward may offer its native one instead: ``kv_layout``). A
+    :class:`~ringfa4.kernels.spec.KVGradLayout`."""
+
+    align = 1
+
+    def __init__(self, bufs: KVBuffers) -> None:
+        self.bufs, self.numel, self.dtype = bufs, bufs.numel, bufs.dtype
+
+    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dk, dv = self.bufs.view(buf, rows)
+        return dk[:, k0:k1], dv[:, k0:k1]
+
+    def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        dk_f, dv_f = self.bufs.view(buf, rows)
+        dk.copy_(dk_f)
+        dv.copy_(dv_f)
+
+
+def grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: KVBuffers):
+    """The backend's own dK/dV layout when every local state offers one and every block of the
+    schedule, on every rank (the buffers travel: all ranks must choose alike), starts at a kv row it
+    can address; else the dense layout."""
+    dense = DenseGrads(gbufs)
+    if any(st is None for st in states):
+        return dense
+    layout = states[0].kv_layout(k, cap_of(run))
+    if layout is None:
+        return dense
+    sched = run.schedule
+    aligned = all(b.k0 % layout.align == 0 for t in range(run.active_steps) for r in range(sched.world_size)
+                  for b in sched.blocks(r, t))
+    return layout if aligned else dense
+
+
+def accum_states(run: RingRun, douts, qs, outs, lses) -> list:
+    """Per local rank, the backend's AccumBackward state when the options ask for fp32 block
+    gradients and the backend offers it for these inputs (dense), else None."""
+    if not run.options.fp32_grads or qs[0].dim() != 4:
+        return [None] * len(qs)
+    return [run.backend.begin_backward(do, q, o, lse, run.spec) for do, q, o, lse in zip(douts, qs, outs, lses)]

@@ -1,0 +1,58 @@
+"""dK/dV without an accumulating backward: the backend's per-block backward."""
+
+from __future__ import annotations
+
+import torch
+
+from . import calls
+from .buffers import KVBuffers
+from .run import RingRun, acc_dtype, cap_of
+
+__all__ = ["BlockGradSink"]
+
+
+class BlockGradSink:
+    """Each block's gradients come back in the inputs' dtype; dq adds into fp32, dK/dV into the
+    travelling buffer (fp32, or k's dtype on a 16-bit wire) once the hop has arrived. One group,
+    not in place (a :class:`~.protocols.GradSink`)."""
+
+    groups, in_place = 1, False
+
+    def __init__(self, run: RingRun, douts, qs, ks, vs, outs, lses) -> None:
+        acc = acc_dtype(qs[0])
+        self.run, self.douts, self.qs, self.outs, self.lses, self.ks, self.vs = run, douts, qs, outs, lses, ks, vs
+        wire = acc if run.options.dkv_wire_fp32 else ks[0].dtype
+        self.bufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)
+        self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+
+    def zeros(self, g: int, device) -> torch.Tensor:
+        return self.bufs.zeros(device)
+
+    def empty(self, g: int, device) -> torch.Tensor:
+        return self.bufs.empty(device)
+
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+        mine = []
+        for blk in blocks:
+            dq, dk, dv = calls.backward(self.run.backend, blk, self.douts[i], self.qs[i], k, v, self.outs[i],
+                                        self.lses[i], self.run.spec)
+            blk.add_q(self.dqs[i], dq)
+            mine.append((blk, dk, dv))
+        return mine
+
+    def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
+        dk_acc, dv_acc = self.bufs.view(buf, rows)
+        for blk, dk, dv in mine:
+            blk.add_k(dk_acc, dk)
+            blk.add_k(dv_acc, dv)
+
+    def dq(self) -> list[torch.Tensor]:
+        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)]
+
+    def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
+        dks, dvs = [], []
+        for i, (buf, n) in enumerate(zip(bufs[0], rows)):
+            dk, dv = self.bufs.view(buf, n)
+            dks.append(dk.to(self.ks[i].dtype))
+            dvs.append(dv.to(self.vs[i].dtype))
+        return dks, dvs

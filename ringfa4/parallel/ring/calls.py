@@ -1,0 +1,72 @@
+"""The kernel calls of one block: the executors (the ring loop, the all-gather mode) make them;
+the block (:class:`~ringfa4.parallel.blocks.Block` dense, :class:`~ringfa4.parallel.varlen.VarlenCall`
+packed) only says which rows, through its geometry: ``q_rows`` / ``k_rows`` / ``lse_rows``
+(views, or gathered copies where ``q_is_view`` is False), ``put_*`` / ``add_*`` (back into the
+full tensors) and ``spec(base, device)``.
+
+Dense tensors: q ``(b, s, h, d)``, lse ``(b, h, s)``, planes ``(b, h, 2, s)``; packed: q
+``(t, h, d)``, lse ``(h, t)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.merge import merge_lse_, merge_planes_
+from ...kernels.spec import AttnSpec, BlockBackend
+
+__all__ = ["accumulate", "add_lse", "backward", "forward", "forward_merge", "merge", "merge_planes"]
+
+
+def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's (out, lse), written into its rows of the scratch where those are views."""
+    spec = blk.spec(base, q.device)
+    qb, kb, vb = blk.q_rows(q), blk.k_rows(k), blk.k_rows(v)
+    if blk.q_is_view:
+        return backend.forward(qb, kb, vb, spec, out=blk.q_rows(scratch_o), lse=blk.lse_rows(scratch_l))
+    return backend.forward(qb, kb, vb, spec)
+
+
+def forward_merge(backend: BlockBackend, blk, q, k, v, base: AttnSpec, out_acc: torch.Tensor, planes: torch.Tensor):
+    """Dense: the block merged into its rows of ``out_acc`` and the lse ``planes`` inside the
+    backend's kernel; the planes, or None where the backend cannot."""
+    return backend.forward_merge(blk.q_rows(q), blk.k_rows(k), blk.k_rows(v), blk.spec(base, q.device),
+                                 blk.q_rows(out_acc), blk.lse_rows(planes))
+
+
+def merge(blk, out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor, impl: str) -> None:
+    """The block's (o, l) merged into its rows of the fp32 accumulator (``impl``: the merge kernel)."""
+    acc_o, acc_l = blk.q_rows(out_acc), blk.lse_rows(lse_acc)
+    merge_lse_(acc_o, acc_l, o, l, impl=impl)
+    if not blk.q_is_view:
+        blk.put_q(out_acc, acc_o)
+        blk.put_lse(lse_acc, acc_l)
+
+
+def merge_planes(blk, out_acc: torch.Tensor, planes: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Dense: the block's result merged into its rows of ``out_acc`` and the running (M, S) planes."""
+    merge_planes_(blk.q_rows(out_acc), blk.lse_rows(planes), o, l)
+
+
+def add_lse(blk, lse_exact: torch.Tensor, l: torch.Tensor) -> None:
+    """``lse_exact`` (float64) rows of this block ``<- logaddexp(them, l)``."""
+    rows = blk.lse_rows(lse_exact)
+    torch.logaddexp(rows, l, out=rows)
+    if not blk.q_is_view:
+        blk.put_lse(lse_exact, rows)
+
+
+def backward(backend: BlockBackend, blk, dout, q, k, v, out, lse, base: AttnSpec):
+    """The block's (dq, dk, dv) from the global merged out / lse."""
+    l = blk.lse_rows(lse)
+    if blk.token_dim == 0:
+        l = l.contiguous()  # varlen lse (h, t): FA4 takes it contiguous
+    return backend.backward(blk.q_rows(dout), blk.q_rows(q), blk.k_rows(k), blk.k_rows(v), blk.q_rows(out), l,
+                            blk.spec(base, q.device))
+
+
+def accumulate(state, blk, k, v, base: AttnSpec, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+    """Dense: the block's gradients through an AccumBackward ``state``: dq into the state, dk / dv
+    into ``dk_acc, dv_acc`` (the accumulators of this block's kv columns: the grad layout's ``cols``)."""
+    state.add_block(blk.q0, blk.q1, blk.k_rows(k), blk.k_rows(v), blk.spec(base, k.device), dk_acc, dv_acc)

@@ -1,0 +1,129 @@
+"""The q ring backward side: each rank keeps its K/V and their dK/dV accumulators; the q side of
+every rank travels to the *previous* rank each step (q, dout and what the backend's backward
+state derives from them: FA4's dpsum and lse * log2 e), with its fp32 dq accumulator, in q-head
+groups reduce-added into in place, home after the last step. Rank r at step t holds the q side
+of rank j = r + t, whose K/V-ring schedule at step t has exactly this pair (source(j, t) = r), so
+the schedule's blocks are used as they are."""
+
+from __future__ import annotations
+
+import torch
+
+from . import calls
+from .accum_sink import grad_layout, write_dkv
+from .buffers import KVBuffers
+from .run import RingRun, acc_dtype, cap_of, rows_of
+
+__all__ = ["QSide", "make_q_side", "q_side_possible"]
+
+
+class _PieceRing:
+    """The travelling q sides as tuples of pieces: ``cur`` starts as each rank's own (never received
+    into: a spare buffer takes their place after the first hop), ``nxt`` receives, ``swap``."""
+
+    def __init__(self, own: list[tuple[torch.Tensor, ...]]) -> None:
+        def empty(pieces):
+            return tuple(torch.empty_like(p) for p in pieces)
+
+        self.cur = own
+        self.nxt = [empty(p) for p in own]
+        self.spare = [empty(p) for p in own]
+
+    def swap(self) -> None:
+        old = self.cur if self.spare is None else self.spare
+        self.cur, self.nxt, self.spare = self.nxt, old, None
+
+
+class QSide:
+    """The q side travels (one hop back a step) with its dq accumulator in q-head groups, added into
+    in place; K/V and their dK/dV accumulators stay home (a :class:`~.protocols.BackwardSide`).
+    ``states``: the local ranks' AccumBackward states; ``layouts[g]``: the dK/dV layout of kv-head
+    group g (``heads[g]`` its kv heads); ``inputs``: per-rank (qs, ks, vs)."""
+
+    in_place = True
+
+    def __init__(self, run: RingRun, states: list, layouts: list, heads: list[tuple[int, int]],
+                 inputs: tuple[list, list, list]) -> None:
+        qs, ks, vs = inputs
+        self.run, self.states, self.layouts, self.qs, self.ks, self.vs = run, states, layouts, qs, ks, vs
+        self.kv_heads, self.groups = heads, len(heads)
+        sched = run.schedule
+        world = sched.world_size
+        self.step = world - 1
+        q_per = qs[0].shape[2] // ks[0].shape[2]
+        self.q_heads = [(a * q_per, b * q_per) for a, b in heads]
+        self.ring = _PieceRing([st.travel() for st in states])
+        self.dkv = [[torch.zeros(lay.numel, dtype=lay.dtype, device=k.device) for k in ks] for lay in layouts]
+        self.visitor = {}  # (rank, step) -> the rank whose q side it holds: source(visitor, step) = rank
+        for r in run.ranks:
+            for t in range(run.active_steps):
+                j = (r + t) % world
+                if sched.source(j, t, world) != r:
+                    j = next(x for x in range(world) if sched.source(x, t, world) == r)
+                self.visitor[(r, t)] = j
+
+    def held(self, i: int, r: int, t: int):
+        return self.ring.cur[i], self.visitor[(r, t)]
+
+    def zeros(self, g: int, i: int) -> torch.Tensor:
+        return self.states[i].dq_zeros(*self.q_heads[g])
+
+    def empty(self, g: int, i: int) -> torch.Tensor:
+        return self.states[i].dq_empty(*self.q_heads[g])
+
+    def compute(self, g: int, i: int, r: int, t: int, held, dst):
+        pieces, j = held
+        blocks = self.run.schedule.blocks(j, t)
+        if not blocks:
+            return None
+        state = self.states[i].visiting(pieces, *self.q_heads[g], dst)
+        a, b = self.kv_heads[g]
+        k_g, v_g = self.ks[i].narrow(2, a, b - a), self.vs[i].narrow(2, a, b - a)
+        rows = rows_of(self.run, r)
+        for blk in blocks:
+            calls.accumulate(state, blk, k_g, v_g, self.run.spec,
+                             *self.layouts[g].cols(self.dkv[g][i], rows, blk.k0, blk.k1))
+        return None
+
+    def fold(self, i: int, mine, buf: torch.Tensor, held) -> None:
+        pass  # the kernels added into the travelling buffer itself
+
+    def local(self):
+        """dk, dv of the K/V this rank kept (no hop needed: runs while the last dq hops travel)."""
+        dks, dvs = [], []
+        for i, r in enumerate(self.run.ranks):
+            k, v = self.ks[i], self.vs[i]
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            n = rows_of(self.run, r)
+            for g, (a, b) in enumerate(self.kv_heads):
+                write_dkv(self.layouts[g], self.dkv[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
+            dks.append(dk)
+            dvs.append(dv)
+        return dks, dvs
+
+    def results(self, local, accs: list[list[torch.Tensor]]):
+        dqs = [st.dq_from([accs[g][i] for g in range(self.groups)], self.q_heads, q.dtype)
+               for i, (st, q) in enumerate(zip(self.states, self.qs))]
+        return (dqs, *local)
+
+
+def q_side_possible(run: RingRun, qs, states: list) -> bool:
+    """Dense inputs, an fp32 dK/dV wire (the q side's accumulators never round) and an
+    AccumBackward state on every local rank."""
+    return qs[0].dim() == 4 and run.options.dkv_wire_fp32 and all(st is not None for st in states)
+
+
+def make_q_side(run: RingRun, states: list, qs, ks, vs) -> QSide:
+    """The q side in ``dkv_groups`` kv-head groups (one where the count does not divide the kv heads)."""
+    h, h_kv = qs[0].shape[2], ks[0].shape[2]
+    n = run.options.dkv_groups if h_kv % run.options.dkv_groups == 0 else 1
+    per, q_per = h_kv // n, h // h_kv
+    heads = [(g * per, (g + 1) * per) for g in range(n)]
+    cap = cap_of(run)
+    layouts = []
+    for a, b in heads:
+        k_g, v_g = ks[0].narrow(2, a, b - a), vs[0].narrow(2, a, b - a)
+        layouts.append(grad_layout(run, [states[0].heads(a * q_per, b * q_per)], k_g,
+                                   KVBuffers(k_g, v_g, cap, dtype=acc_dtype(qs[0]))))
+    return QSide(run, states, layouts, heads, (qs, ks, vs))
