@@ -224,7 +224,7 @@ class Fa4Backend:
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        spec: AttnSpec) -> _Fa4Accum | None:
-        """FA4's backward with fp32 dq / dk / dv across a ring (``fa4_bwd_accum``: one preprocess,
+        """FA4's backward with fp32 dq / dk / dv across a ring (``fa4.bwd_accum``: one preprocess,
         dq reduce-added into one fp32 accumulator, one postprocess); None where it cannot run
         (not sm90 / sm100, varlen, deterministic, head dims it does not cover)."""
         from . import bwd_accum as acc

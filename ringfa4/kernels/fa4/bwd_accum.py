@@ -17,7 +17,7 @@ bf16 block gradients. Here FA4's own compiled kernels are called directly:
   ``(b, s_k, h_kv, d)`` accumulators. MHA: FA4 selects the fp32 dK/dV path only through
   ``qhead_per_kvhead > 1`` (sm90, compile-time) or an attribute set from it in ``__call__`` (sm100);
   :mod:`.bwd_plan` builds the kernels that take that path for MHA too, and holds each
-  generation's tiles, roundings and postprocess arguments (:class:`~.fa4_bwd_plan.BwdPlan`).
+  generation's tiles, roundings and postprocess arguments (:class:`~.bwd_plan.BwdPlan`).
 * :func:`finish` runs FA4's dQ postprocess once (bf16 / fp16 dq), or gathers fp32 dq.
 
 The tile orders are read from FA4's postprocess itself: run once per layout on a tile whose
@@ -142,10 +142,10 @@ def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
     _check(dout, "dout", q.shape, floats, q.device)
     _check(lse, "lse", (b, h, s_q), (torch.float32,), q.device)
     if deterministic:
-        raise ValueError("fa4_bwd_accum has no deterministic mode (dq / dk / dv are atomically reduced)")
+        raise ValueError("fa4.bwd_accum has no deterministic mode (dq / dk / dv are atomically reduced)")
     arch = _arch()
     if not can_implement(arch, q.dtype, d):
-        raise ValueError(f"fa4_bwd_accum cannot run sm{arch} {q.dtype} head_dim={d} (see can_implement)")
+        raise ValueError(f"fa4.bwd_accum cannot run sm{arch} {q.dtype} head_dim={d} (see can_implement)")
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import maybe_contiguous
     from flash_attn.cute.testing import is_fake_mode

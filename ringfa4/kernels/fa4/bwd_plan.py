@@ -147,7 +147,7 @@ def _sm100_mha_class() -> type:
 
 
 def make_kernel(p: BwdPlan, key: Any) -> Any:
-    """The FA4 main-kernel object for an :class:`~.fa4_bwd_accum.AccumKey` under plan ``p``."""
+    """The FA4 main-kernel object for an :class:`~.bwd_accum.AccumKey` under plan ``p``."""
     from flash_attn.cute import utils
     from flash_attn.cute.interface import torch2cute_dtype_map
 
