@@ -113,7 +113,7 @@ def _calls_alone(cp, spec, be, backward, cache: dict | None = None):
                 for b in ring.schedule.blocks(r, t):
                     calls.forward(be, b, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
                     if backward:
-                        calls.backward(be, b, dos[r], qs[r], ks[src], vs[src], o_s, l_s, ring.spec)
+                        calls.backward(be, b, (dos[r], qs[r], ks[src], vs[src], o_s, l_s), ring.spec)
     return run
 
 

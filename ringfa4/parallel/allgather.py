@@ -127,7 +127,7 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
         for call in sched.blocks(r):
-            g = calls.backward(run.backend, call, douts[i], qs[i], *kv[i], outs[i], lses[i], run.spec)
+            g = calls.backward(run.backend, call, (douts[i], qs[i], *kv[i], outs[i], lses[i]), run.spec)
             call.add_q(dq, g[0])
             call.add_k(dk, g[1])
             call.add_k(dv, g[2])

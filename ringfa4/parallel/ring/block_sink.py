@@ -34,8 +34,8 @@ class BlockGradSink:
     def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
         mine = []
         for blk in blocks:
-            dq, dk, dv = calls.backward(self.run.backend, blk, self.douts[i], self.qs[i], k, v, self.outs[i],
-                                        self.lses[i], self.run.spec)
+            dq, dk, dv = calls.backward(self.run.backend, blk, (self.douts[i], self.qs[i], k, v, self.outs[i],
+                                                                 self.lses[i]), self.run.spec)
             blk.add_q(self.dqs[i], dq)
             mine.append((blk, dk, dv))
         return mine

@@ -57,8 +57,10 @@ def add_lse(blk, lse_exact: torch.Tensor, l: torch.Tensor) -> None:
         blk.put_lse(lse_exact, rows)
 
 
-def backward(backend: BlockBackend, blk, dout, q, k, v, out, lse, base: AttnSpec):
-    """The block's (dq, dk, dv) from the global merged out / lse."""
+def backward(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base: AttnSpec):
+    """The block's (dq, dk, dv) from ``tensors`` = (dout, q, k, v, out, lse) of the rank, with the
+    global merged out / lse."""
+    dout, q, k, v, out, lse = tensors
     l = blk.lse_rows(lse)
     if blk.token_dim == 0:
         l = l.contiguous()  # varlen lse (h, t): FA4 takes it contiguous
