@@ -15,7 +15,8 @@ __all__ = ["attention"]
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel | None = None,
               causal: bool = False, window: tuple[int | None, int | None] = (None, None),
               softmax_scale: float | None = None, softcap: float = 0.0, return_lse: bool = False,
-              backend: str = "auto", deterministic: bool = False, packing=None):
+              backend: str = "auto", deterministic: bool = False, packing=None,
+              sinks: torch.Tensor | None = None):
     """Attention of ``q (b, s, h, d)`` over ``k, v (b, s, h_kv, d)`` (h % h_kv == 0).
 
     With a distributed ``cp`` the tensors are this rank's shards (``cp.shard``) and the result is
@@ -27,9 +28,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     accumulated with atomics, so it can differ in the last bits between runs).
     ``packing`` (``cp.pack(cu_seqlens)``): q, k, v are packed ``(t, h, d)`` documents (this rank's
     tokens, or all of them when simulated); attention stays inside each document; lse is ``(h, t)``.
+    ``sinks``: ``(h,)`` learnable sink logits (gpt-oss: each row's softmax denominator gets
+    ``exp(sinks[head])``, the sink has no value; fp32 recommended), differentiable; the returned
+    lse includes the sink. Under CP the sink is applied once to each rank's merged result, and each
+    rank's ``sinks.grad`` covers its own rows (the usual gradient reduction over ranks sums them).
     """
     spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap,
-                    deterministic=deterministic)
+                    deterministic=deterministic, sinks=sinks)
     if packing is not None:
         if cp is None or packing.cp is not cp:
             raise ValueError("packing must come from this cp (cp.pack(cu_seqlens))")

@@ -322,3 +322,28 @@ def recipe_run(overrides, export_check=False):
             b = fresh(input_ids=ids).logits
         out["export_diff"] = (a - b).abs().max().item()
     return out
+
+
+def sinks_case(world, kw):
+    """Ring attention with learnable sinks on this rank's shard: the full results (rank 0, with
+    the inputs), this rank's dsinks (its rows only), and bit identity with the simulated executor."""
+    b, S, h, h_kv, d = 2, 2 * world * 6, 4, 2, 8
+    q, k, v, do = _inputs(b, S, h, h_kv, d, torch.float64, 5)
+    sinks = torch.linspace(-1.0, 2.0, h, dtype=torch.float64)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference")
+    x = [cp.shard(t, 1).clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+    out, lse = ringfa4.attention(*x[:3], cp=cp, sinks=x[3], return_lse=True, **kw)
+    out.backward(cp.shard(do, 1))
+    mine = [out.detach(), lse, x[0].grad, x[1].grad, x[2].grad]
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout="zigzag", backend="reference")
+    y = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    so, sl = ringfa4.attention(*y[:3], cp=sim, sinks=y[3], return_lse=True, **kw)
+    so.backward(do)
+    sim_mine = [cp.shard(so.detach(), 1), cp.shard(sl, 2), cp.shard(y[0].grad, 1), cp.shard(y[1].grad, 1),
+                cp.shard(y[2].grad, 1)]
+    res = {"identical": all(torch.equal(a, b) for a, b in zip(mine, sim_mine)), "dsinks": x[3].grad}
+    full = [cp.unshard(out.detach(), 1), cp.unshard(lse, 2), cp.unshard(x[0].grad, 1), cp.unshard(x[1].grad, 1),
+            cp.unshard(x[2].grad, 1)]  # a collective: every rank
+    if dist.get_rank() == 0:
+        res["full"], res["inputs"] = full, (q, k, v, do, sinks)
+    return res

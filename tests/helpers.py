@@ -27,8 +27,9 @@ def _visible(s_q: int, s_k: int, causal: bool, window, device) -> torch.Tensor:
     return ok
 
 
-def _dense64(q, k, v, causal, window, softcap, scale):
-    """q (b, s_q, h, d), k/v (b, s_k, h_kv, d) float64 -> out (b, s_q, h, d), lse (b, h, s_q)."""
+def _dense64(q, k, v, causal, window, softcap, scale, sinks=None):
+    """q (b, s_q, h, d), k/v (b, s_k, h_kv, d) float64 -> out (b, s_q, h, d), lse (b, h, s_q).
+    ``sinks (h,)``: one more softmax column per head with that logit and no value (gpt-oss)."""
     h, h_kv = q.shape[2], k.shape[2]
     k = k.repeat_interleave(h // h_kv, dim=2)
     v = v.repeat_interleave(h // h_kv, dim=2)
@@ -37,7 +38,11 @@ def _dense64(q, k, v, causal, window, softcap, scale):
         s = softcap * torch.tanh(s / softcap)
     ok = _visible(q.shape[1], k.shape[1], causal, window, q.device)
     s = s.masked_fill(~ok, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is None:
+        lse = torch.logsumexp(s, dim=-1)
+    else:  # the sink column, then the value-less column dropped
+        col = sinks.to(torch.float64).view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        lse = torch.logsumexp(torch.cat([s, col], dim=-1), dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
     p = torch.where(ok, p, torch.zeros_like(p))
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
@@ -45,17 +50,18 @@ def _dense64(q, k, v, causal, window, softcap, scale):
 
 
 def attention64(q, k, v, causal=False, window=(None, None), softcap=0.0, softmax_scale=None,
-                cu_seqlens_q=None, cu_seqlens_k=None):
-    """Float64 attention (differentiable). Dense or varlen (FA layouts and lse conventions)."""
+                cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
+    """Float64 attention (differentiable). Dense or varlen (FA layouts and lse conventions);
+    ``sinks (h,)``: learnable sink logits."""
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if cu_seqlens_q is None:
-        return _dense64(q, k, v, causal, window, softcap, scale)
+        return _dense64(q, k, v, causal, window, softcap, scale, sinks)
     outs, lses = [], []
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         o, l = _dense64(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
-                        causal, window, softcap, scale)
+                        causal, window, softcap, scale, sinks)
         outs.append(o[0])
         lses.append(l[0])
     return torch.cat(outs, 0), torch.cat(lses, -1)

@@ -43,6 +43,26 @@ def make_model(kind: str, seed: int = 0):
     elif kind == "gemma3":  # local (sliding) and global layers with their own RoPE
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
                                                    layer_types=["sliding_attention", "full_attention"]))
+    elif kind == "gemma3_bidi":  # bidirectional attention (EmbeddingGemma-style), sliding |i - j| < 6
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+                                                   layer_types=["sliding_attention", "full_attention"],
+                                                   use_bidirectional_attention=True))
+    elif kind == "gpt_oss":  # learnable sinks, sliding and full layers, a small MoE
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        cfg = dict(common, intermediate_size=64, max_position_embeddings=131072)
+        model = GptOssForCausalLM(GptOssConfig(**cfg, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                               sliding_window=6, layer_types=["sliding_attention", "full_attention"]))
+        with torch.no_grad():  # sinks that matter (the init draws them near 0)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.5)
+    elif kind == "modernbert":  # encoder: bidirectional global and local (|i - j| <= 4) layers
+        from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+        model = ModernBertForMaskedLM(ModernBertConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            global_attn_every_n_layers=2, local_attention=8, max_position_embeddings=512, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, attention_dropout=0.0))
     else:
         raise ValueError(kind)
     return model.float()

@@ -7,8 +7,11 @@
 
 transformers calls ``fn(module, query (b, h, s, d), key/value (b, h_kv, s, d), attention_mask,
 scaling, dropout, sliding_window, softcap, **kwargs)`` with RoPE applied and, having no mask
-function for this name, ``attention_mask=None``: causality, sliding windows (HF's ``W`` keeps keys
-``j > i - W``, i.e. window left ``W - 1``) and document boundaries are ours. The step's CP metadata
+function for this name, ``attention_mask=None``: causality (the module's ``is_causal``: decoders, or
+encoders and bidirectional blocks), sliding windows (HF's ``W`` keeps keys ``j > i - W``, i.e. window
+left ``W - 1``; bidirectional: ``|i - j| < W``, both sides ``W - 1``) and document boundaries are ours.
+Learnable sinks (gpt-oss: the ``s_aux`` argument or ``module.sinks``) go to the attention as
+``sinks``, differentiable. The step's CP metadata
 (:class:`CPMeta`: the cp and its packing) arrives in ``kwargs["ringfa4"]``, never global state.
 """
 
@@ -50,24 +53,25 @@ def _attention_fn(default_cp: ContextParallel | None):
         if cp is None:
             raise ValueError(f"{name}: ringfa4 attention needs a ContextParallel: call ringfa4.hf.register(cp) or "
                              "pass the batch's CP metadata (shard_batch(...).model_inputs())")
-        if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-            raise ValueError(f"{name}: attention sinks are not supported by ringfa4")
+        sinks = kwargs.get("s_aux")
+        sinks = getattr(module, "sinks", None) if sinks is None else sinks  # gpt-oss: one logit per q head
         if dropout and module.training:
             raise ValueError(f"{name}: attention dropout {dropout} is not supported by ringfa4 (set it to 0)")
         if attention_mask is not None:
             raise ValueError(f"{name}: ringfa4 takes no attention_mask (got {tuple(attention_mask.shape)}): "
                              "causality, windows and documents come from the CP metadata")
-        if not getattr(module, "is_causal", True):
-            raise ValueError(f"{name}: only causal (decoder) attention is supported by ringfa4")
-        window = (None, None) if sliding_window is None else (int(sliding_window) - 1, None)
+        causal = bool(getattr(module, "is_causal", True))  # encoders / bidirectional blocks: False
+        # HF's sliding window W keeps keys j > i - W (causal), |i - j| < W (bidirectional)
+        window = (None, None) if sliding_window is None else (int(sliding_window) - 1,
+                                                              None if causal else int(sliding_window) - 1)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
         packing = meta.packing if meta is not None else None
         if packing is not None:
             if q.shape[0] != 1:
                 raise ValueError(f"{name}: packed batches must have batch size 1, got {q.shape[0]}")
             q, k, v = (t[0] for t in (q, k, v))
-        out = attention(q.contiguous(), k.contiguous(), v.contiguous(), cp=cp, causal=True, window=window,
-                        softmax_scale=scaling, softcap=float(softcap or 0.0), packing=packing)
+        out = attention(q.contiguous(), k.contiguous(), v.contiguous(), cp=cp, causal=causal, window=window,
+                        softmax_scale=scaling, softcap=float(softcap or 0.0), packing=packing, sinks=sinks)
         if packing is not None:
             out = out.unsqueeze(0)
         return out.contiguous(), None

@@ -51,22 +51,37 @@ def _shift(labels: torch.Tensor, doc_starts: torch.Tensor | None) -> torch.Tenso
     return out
 
 
-def shard_batch(batch: dict, cp: ContextParallel) -> CPBatch:
+def shard_batch(batch: dict, cp: ContextParallel, shift_labels: bool = True, key_padding: bool = False) -> CPBatch:
     """From a full batch (``input_ids (b, S)``, optional ``labels``, ``position_ids`` (restarting at
     0 per document for packed rows, which need b = 1), ``attention_mask`` (right padding only),
-    ``cu_seqlens``) to this rank's :class:`CPBatch`."""
+    ``cu_seqlens``) to this rank's :class:`CPBatch`.
+
+    ``shift_labels``: targets are the next token's label (causal LM, the default); False: the labels
+    as they are (masked LM: -100 except at the masked tokens). ``key_padding``: padding must be
+    masked as *keys* too (bidirectional layers, where real tokens would otherwise see it): every
+    row's real tokens and its padding become documents of one packed row (``input_ids (1, b*S)``
+    sharded), so attention never crosses into the padding; the loss is unchanged (padding has no
+    targets). Causal models need no key padding with right padding (no real token sees a later one)."""
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(ids.shape)}")
     b, S = ids.shape
     labels = batch.get("labels", ids)
     mask = batch.get("attention_mask")
+    pos = batch.get("position_ids")
+    cu = batch.get("cu_seqlens")
     if mask is not None:
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise ValueError("attention_mask must be right padding (ones then zeros) for CP")
         labels = labels.masked_fill(mask == 0, IGNORE)
-    pos = batch.get("position_ids")
-    cu = batch.get("cu_seqlens")
+        if key_padding and bool((mask == 0).any()):
+            if cu is not None or (pos is not None and bool((pos[:, 1:] == 0).any())):
+                raise ValueError("key_padding: give either padding (attention_mask) or packed documents, not both")
+            real = mask.sum(1).tolist()
+            docs = [n for r in real for n in (r, S - r)]
+            ids, labels = ids.reshape(1, b * S), labels.reshape(1, b * S)
+            cu = torch.tensor([0] + torch.tensor(docs).cumsum(0).tolist(), dtype=torch.int32)
+            b, S, pos = 1, b * S, None
     packed = cu is not None or (pos is not None and bool((pos[:, 1:] == 0).any()))
     if packed:
         if b != 1:
@@ -74,14 +89,14 @@ def shard_batch(batch: dict, cp: ContextParallel) -> CPBatch:
         if cu is None:
             cu = cu_seqlens_from_position_ids(pos[0])
         pack = cp.pack(cu.to(torch.int32).cpu())
-        targets = _shift(labels, cu[:-1].long().cpu())
+        targets = _shift(labels, cu[:-1].long().cpu()) if shift_labels else labels
         local_ids, local_targets = pack.shard(ids, dim=1), pack.shard(targets, dim=1)
         positions = pack.positions(ids.device).unsqueeze(0)
         meta = CPMeta(cp, pack)
     else:
         if pos is not None and not torch.equal(pos, torch.arange(S, device=pos.device).expand_as(pos)):
             raise ValueError("position_ids of an unpacked batch must be 0..S-1 (restarts mean packing: b must be 1)")
-        targets = _shift(labels, None)
+        targets = _shift(labels, None) if shift_labels else labels
         local_ids, local_targets = cp.shard(ids, dim=1), cp.shard(targets, dim=1)
         positions = cp.positions(S, ids.device).unsqueeze(0).expand(b, -1)
         meta = CPMeta(cp)

@@ -17,6 +17,7 @@ import math
 import torch
 
 from .merge import merge_planes_
+from .sinks import apply_sinks_
 from .spec import AttnSpec, band_mask
 from .validate import validate_block
 
@@ -111,9 +112,9 @@ class ReferenceBackend:
                 ds = ds * (1.0 - t * t)
             dq[:, q0:q1] = torch.einsum("bhqk,bkhd->bqhd", ds, kc) * scale
             dk += torch.einsum("bhqk,bqhd->bkhd", ds, qc[:, q0:q1]) * scale
-        if groups > 1:
-            dk = dk.view(b, -1, h_kv, groups, d).sum(3)
-            dv = dv.view(b, -1, h_kv, groups, v.shape[-1]).sum(3)
+        if groups > 1:  # explicit sizes: a batch of 0 has no -1 to infer
+            dk = dk.view(b, k.shape[1], h_kv, groups, d).sum(3)
+            dv = dv.view(b, k.shape[1], h_kv, groups, v.shape[-1]).sum(3)
         return dq, dk, dv  # in the compute dtype
 
     # -- varlen: one dense call per document ------------------------------------------------
@@ -139,6 +140,8 @@ class ReferenceBackend:
                 if b > a:
                     od, ld = self._forward_dense(q[None, a:b], k[None, c:e], v[None, c:e], dense)
                     o[a:b], l[:, a:b] = od[0], ld[0]
+        if spec.sinks is not None:  # in the compute dtype, before any rounding
+            apply_sinks_(o, l, spec.sinks)
         o = o.to(q.dtype if out is None else out.dtype)  # an fp32 out of 16-bit inputs: not rounded
         l = l if l.dtype == torch.float64 else l.float()
         if out is not None:
@@ -163,7 +166,8 @@ class ReferenceBackend:
         not rounded to q's dtype, merged into ``out_acc (b, s_q, h, d)`` float32 and the running
         (M, S) ``planes (b, h, 2, s_q)`` float32 in place (:func:`.merge.merge_planes_`). Returns
         ``planes``; None (touching nothing) for varlen blocks or accumulators that are not float32."""
-        if spec.varlen or q.dim() != 4 or out_acc.dtype != torch.float32 or planes.dtype != torch.float32:
+        if spec.varlen or q.dim() != 4 or out_acc.dtype != torch.float32 or planes.dtype != torch.float32 \
+                or spec.sinks is not None:
             return None
         validate_block(q, k, v, spec)
         o, l = self._forward_dense(q, k, v, spec)

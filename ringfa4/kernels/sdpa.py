@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .sinks import apply_sinks_
 from .spec import AttnSpec, BackendUnsupported, PlainBackend
 from .validate import validate_block
 
@@ -265,6 +266,10 @@ class SdpaBackend(PlainBackend):
             l = torch.full((b, h, s_q), -math.inf, dtype=torch.float32, device=q.device)
         else:
             o, l = self._forward(q, k, v, causal, spec.scale(d))
+        if spec.sinks is not None:  # the sink column, after the kernel (in fp32: one more rounding of o)
+            o, l = o.float(), l.float().contiguous()
+            apply_sinks_(o, l, spec.sinks)
+            o = o.to(q.dtype if out is None else out.dtype)
         if out is not None:
             out.copy_(o)
         if lse is not None:

@@ -53,6 +53,9 @@ class AttnSpec:
     cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) for varlen inputs ``(total, h, d)``.
     max_seqlen_q / max_seqlen_k: Python ints (required with cu_seqlens).
     deterministic: ask the backward for a deterministic reduction order.
+    sinks: None, or ``(h,)`` learnable sink logits (gpt-oss; :mod:`.sinks`): each row's softmax
+        denominator gets ``exp(sinks[head])``; the sink has no value. The returned lse includes it.
+        Not part of equality/hash (a tensor, like cu_seqlens).
     """
 
     causal: bool = False
@@ -64,6 +67,7 @@ class AttnSpec:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     deterministic: bool = False
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.window, (tuple, list)) or len(self.window) != 2:

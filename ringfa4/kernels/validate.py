@@ -7,6 +7,7 @@ import weakref
 
 import torch
 
+from .sinks import check_sinks
 from .spec import AttnSpec
 
 __all__ = ["validate_block", "validate_cu_seqlens"]
@@ -89,6 +90,7 @@ def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     h, h_kv = q.shape[-2], k.shape[-2]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
+    check_sinks(spec.sinks, q, where)
     if spec.varlen:
         validate_cu_seqlens(spec.cu_seqlens_q, "cu_seqlens_q", q.shape[0], where)
         validate_cu_seqlens(spec.cu_seqlens_k, "cu_seqlens_k", k.shape[0], where)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.sinks import apply_sinks_
 from .blocks import band_block, global_band
 from .memo import cached_method
 from .packing import Packing
@@ -111,6 +112,8 @@ def allgather_forward(run, qs, ks, vs):
             calls.merge(call, acc, lse, o, l, run.options.merge_kernel)
             exact.add(0, call, l)
         exact.finish()
+        if run.sinks is not None:  # once, on the merged result
+            apply_sinks_(acc, lse, run.sinks)
         outs.append(acc.to(q.dtype))
         lses.append(lse)
     return outs, lses

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..kernels import AttnSpec, get_backend
 from ..kernels.autograd import block_attention
 from ..kernels.output_cache import record_output, replay_output
+from ..kernels.sinks import sink_grad
 from ..kernels.validate import validate_block
 from ..options import RingOptions, warn_ignored_env
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
@@ -208,14 +209,15 @@ class ContextParallel:
         split = HeadSplit(q.shape[2], k.shape[2], self.ulysses)
         k, v = expand_kv_heads(k, split.kv_factor), expand_kv_heads(v, split.kv_factor)
         views = self.ulysses_comm.seq_to_heads([q, k, v], 2)  # per local Ulysses index: its heads
-        parts = [self._ring._ring_attention(*t, spec) for t in views]
+        specs = _head_specs(spec, self.ulysses_comm.ranks, self.ulysses)
+        parts = [self._ring._ring_attention(*t, s) for t, s in zip(views, specs)]
         return (self.ulysses_comm.heads_to_seq([p[0] for p in parts], 2),
                 self.ulysses_comm.lse_heads_to_seq([p[1] for p in parts], 1))
 
     def _ring_attention(self, q, k, v, spec):
         if self.world_size == 1:  # one backend call
             return block_attention(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
-        return _RingAttention.apply(q, k, v, self, spec)
+        return _RingAttention.apply(q, k, v, self, spec, None, False, spec.sinks)
 
     def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None,
             allgather: bool = False) -> RingRun:
@@ -226,17 +228,20 @@ class ContextParallel:
         else:
             schedule = ring_schedule(self.layout, self.comm.global_length(q.shape[1]), spec.causal, spec.window)
         backend = get_backend(self.backend_name, q.device, q.dtype)
-        base = spec.replace(causal=False, window=(None, None))
-        return RingRun(schedule, self.comm.ranks, backend, base, self.transport, self.options)
+        base = spec.replace(causal=False, window=(None, None), sinks=None)
+        sinks = None if spec.sinks is None else spec.sinks.detach()
+        return RingRun(schedule, self.comm.ranks, backend, base, self.transport, self.options, sinks)
 
 
 class _RingAttention(torch.autograd.Function):
     """One ring (or all-gather) call over ``cp``'s group: every local rank's tensors split out,
-    run, joined back; autograd flows to the (local or, simulated, full) inputs."""
+    run, joined back; autograd flows to the (local or, simulated, full) inputs and to ``sinks``
+    (``spec.sinks``: applied once to each rank's merged result; each rank's ``d sinks`` covers its
+    own rows)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec, packing: Packing | None = None,
-                allgather: bool = False):
+                allgather: bool = False, sinks: torch.Tensor | None = None):
         run = cp.run(q, spec, packing, allgather)
         place, dim = (cp.layout, 1) if packing is None else (packing, 0)
         qs, ks, vs = (cp.comm.split(place, t, dim) for t in (q, k, v))
@@ -251,6 +256,7 @@ class _RingAttention(torch.autograd.Function):
             outs, lses = cp.comm.split(place, out, dim), cp.comm.split(place, lse, dim + 1)
         ctx.cp, ctx.run, ctx.place, ctx.dim = cp, run, place, dim
         ctx.parts = (qs, ks, vs, outs, lses)
+        ctx.sink_io = None if sinks is None else (out, lse, sinks)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -261,8 +267,12 @@ class _RingAttention(torch.autograd.Function):
         douts = cp.comm.split(place, dout.contiguous(), dim)
         dqs, dks, dvs = cp.comm.guard(ctx.fns[1], run, douts, qs, ks, vs, outs, lses)
         ctx.parts = None
+        dsinks = None
+        if ctx.sink_io is not None and ctx.needs_input_grad[7]:
+            dsinks = sink_grad(dout, *ctx.sink_io)  # this rank's rows (simulated: all of them)
+        ctx.sink_io = None
         return (cp.comm.join(place, dqs, dim), cp.comm.join(place, dks, dim), cp.comm.join(place, dvs, dim),
-                None, None, None, None)
+                None, None, None, None, dsinks)
 
 
 class Pack:
@@ -315,7 +325,8 @@ class Pack:
         ring = Pack(cp._ring, self.packing)
         pieces = cp.comm.ulysses_pieces(self.placement)
         views = cp.ulysses_comm.seq_to_heads([q, k, v], 1, pieces)
-        parts = [ring._ring_level(*t, spec, allgather, True) for t in views]
+        specs = _head_specs(spec, cp.ulysses_comm.ranks, cp.ulysses)
+        parts = [ring._ring_level(*t, s, allgather, True) for t, s in zip(views, specs)]
         return (cp.ulysses_comm.heads_to_seq([p[0] for p in parts], 1, pieces),
                 cp.ulysses_comm.lse_heads_to_seq([p[1] for p in parts], 0, pieces))
 
@@ -329,7 +340,7 @@ class Pack:
             cu, longest = self.packing.cu_seqlens(q.device), max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             return cp._ring_attention(q, k, v, vspec)
-        return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather)
+        return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather, spec.sinks)
 
     def check_local(self, q, k, v, spec: AttnSpec, where: str) -> str | None:
         """This rank's packed tensors against the pack: the error message, or None."""
@@ -345,3 +356,12 @@ class Pack:
         except ValueError as exc:
             return str(exc)
         return None
+
+
+def _head_specs(spec: AttnSpec, indices: tuple[int, ...], degree: int) -> list[AttnSpec]:
+    """Per local Ulysses index, ``spec`` with the sinks of that index's q heads (the all-to-all
+    gives index u the u-th of ``degree`` equal head slices)."""
+    if spec.sinks is None:
+        return [spec] * len(indices)
+    per = spec.sinks.shape[0] // degree
+    return [spec.replace(sinks=spec.sinks[u * per:(u + 1) * per]) for u in indices]

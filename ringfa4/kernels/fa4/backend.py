@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..sinks import apply_sinks_
 from ..spec import AttnSpec, BackendUnsupported
 from ..validate import validate_block
 
@@ -146,6 +147,10 @@ class Fa4Backend:
         if lse is not None:
             lse_shape = (h, lead[0]) if spec.varlen else (lead[0], h, lead[1])
             _check_buffer(lse, "lse", lse_shape, torch.float32, q)
+        if fp32_out and spec.sinks is not None:  # the sink after the fp32 kernel, before any rounding
+            o, l = self.forward(q, k, v, spec.replace(sinks=None), out=out, lse=lse)
+            apply_sinks_(o, l, spec.sinks)
+            return o, l
         if fp32_out:  # a float32 block output (no rounding before the merge): our fp32-epilogue kernel
             try:
                 return _forward_fp32(q, k, v, spec, out, lse)
@@ -155,7 +160,8 @@ class Fa4Backend:
                 pass  # a call the fp32-output kernel does not cover (d != d_v, an arch...): FA4's own, widened
         fwd, _ = _kernels()
         try:
-            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=None if fp32_out else out, lse=lse)
+            sink = {} if spec.sinks is None else {"learnable_sink": spec.sinks.detach().contiguous()}
+            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=None if fp32_out else out, lse=lse, **sink)
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
         if fp32_out:
@@ -205,7 +211,7 @@ class Fa4Backend:
         from . import epilogue_merge
         from .bwd_accum import _arch
 
-        if spec.varlen or q.dim() != 4 or q.device.type != "cuda" or q.dtype not in _DTYPES \
+        if spec.varlen or spec.sinks is not None or q.dim() != 4 or q.device.type != "cuda" or q.dtype not in _DTYPES \
                 or v.shape[-1] != q.shape[-1] or not epilogue_merge.can_implement(_arch()):
             return None
         validate_block(q, k, v, spec)

@@ -10,6 +10,7 @@ import math
 import torch
 
 from ...kernels.merge import planes_lse
+from ...kernels.sinks import apply_sinks_
 from . import calls
 from .buffers import KVBuffers, KVRing
 from .run import RingRun, acc_dtype, cap_of, lse_shape, rows_of
@@ -36,6 +37,9 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
             run.transport.wait(handle)
             kv.swap()
     merge.finish()
+    if run.sinks is not None:  # once, on the merged fp32 result
+        for o, l in zip(merge.outs, merge.lses):
+            apply_sinks_(o, l, run.sinks)
     return [o.to(q.dtype) for o, q in zip(merge.outs, qs)], merge.lses
 
 

@@ -42,8 +42,9 @@ class RingRun:
 
     schedule: the per-step blocks; ranks: the ranks this process runs (rank order);
     backend: block kernels; spec: softmax_scale / softcap / deterministic (causal and window come
-    from the schedule's blocks); transport: moves buffers between ranks; options: the call's
-    :class:`~ringfa4.options.RingOptions`.
+    from the schedule's blocks; never sinks); transport: moves buffers between ranks; options: the
+    call's :class:`~ringfa4.options.RingOptions`; sinks: ``(h,)`` sink logits of the call's q heads,
+    applied once to each rank's merged result (:mod:`ringfa4.kernels.sinks`), or None.
     """
 
     schedule: Schedule
@@ -52,6 +53,7 @@ class RingRun:
     spec: AttnSpec
     transport: Transport
     options: RingOptions = RingOptions()
+    sinks: torch.Tensor | None = None
 
     @property
     def active_steps(self) -> int:
