@@ -347,3 +347,157 @@ def sinks_case(world, kw):
     if dist.get_rank() == 0:
         res["full"], res["inputs"] = full, (q, k, v, do, sinks)
     return res
+
+
+# -- fault injection (tests/test_faults.py) ---------------------------------------------------------
+class _FaultBackend(PlainBackend):
+    """Reference backend that fails on ``fail_rank`` in ``where`` ("forward", "backward", "exit":
+    the process ends mid-forward), and records the wall-clock time it failed."""
+
+    name = "fault"
+
+    def __init__(self, fail_rank, where):
+        self.inner = get_backend("reference")
+        self.fail_rank, self.where = fail_rank, where
+        self.calls = 0
+
+    def _maybe_fail(self, phase):
+        import os
+        import time
+
+        self.calls += 1
+        if dist.get_rank() == self.fail_rank and phase == self.where.replace("exit", "forward") and self.calls > 1:
+            if self.where == "exit":
+                os._exit(3)
+            global _FAILED_AT
+            _FAILED_AT = time.time()
+            raise RuntimeError(f"injected {phase} failure")
+
+    def forward(self, *args, **kw):
+        self._maybe_fail("forward")
+        return self.inner.forward(*args, **kw)
+
+    def backward(self, *args, **kw):
+        self._maybe_fail("backward")
+        return self.inner.backward(*args, **kw)
+
+
+_FAILED_AT = None
+
+
+def _timed(fn):
+    """``fn()``'s outcome as plain data: error type and message, when it ended, when (if this
+    rank injected it) the failure happened."""
+    import time
+
+    global _FAILED_AT
+    _FAILED_AT = None
+    start = time.time()
+    try:
+        fn()
+        kind, message = "ok", ""
+    except Exception as exc:
+        kind, message = type(exc).__name__, str(exc)
+    return {"error": kind, "message": message, "start": start, "end": time.time(), "failed_at": _FAILED_AT}
+
+
+def _options(timeout_s):
+    return ringfa4.RingOptions(timeout_s=timeout_s)
+
+
+def fault_ring(fail_rank, where, timeout_s, ulysses=1, after=3):
+    """One CP call where ``fail_rank`` fails in ``where`` (forward / backward of the ring, "ulysses":
+    its all-to-all, "exit": the process ends), then ``after`` correct calls (ring_case: float64
+    results and bit identity with the simulated executor)."""
+    world = dist.get_world_size()
+    S, h = 8 * world, 4
+    q, k, v, do = _inputs(1, S, h, 2, 8, torch.float64, 5)
+    be = _FaultBackend(fail_rank, where) if where != "ulysses" else "reference"
+    cp = ringfa4.ContextParallel(layout="zigzag", backend=be, ulysses=ulysses, options=_options(timeout_s))
+    ql, kl, vl = (cp.shard(t).clone().requires_grad_() for t in (q, k, v))
+
+    def call():
+        if where == "ulysses" and dist.get_rank() == fail_rank:
+            import ringfa4.parallel.groups as groups
+
+            def broken(*a):
+                global _FAILED_AT
+                import time
+
+                _FAILED_AT = time.time()
+                raise RuntimeError("injected ulysses failure")
+
+            groups.seq_to_heads = broken
+        try:
+            out = ringfa4.attention(ql, kl, vl, cp=cp, causal=True)
+            out.backward(cp.shard(do))
+        finally:
+            import ringfa4.parallel.groups as groups
+            from ringfa4.parallel.ulysses import seq_to_heads
+
+            groups.seq_to_heads = seq_to_heads
+
+    res = _timed(call)
+    res["after"] = [ring_case("zigzag", torch.float64, (1, 4 * world, 4, 2, 8), {"causal": True}, 20 + i,
+                              ulysses=ulysses, options=_options(timeout_s)) for i in range(after)]
+    return res
+
+
+def fault_absent(absent_rank, late_s, timeout_s):
+    """``absent_rank`` does not call (``late_s`` None) or calls ``late_s`` seconds late; the others
+    wait in the call's metadata check."""
+    import time
+
+    world = dist.get_world_size()
+    q, k, v, _ = _inputs(1, 8 * world, 2, 2, 8, torch.float64, 1)
+    cp = ringfa4.ContextParallel(layout="zigzag", backend="reference", options=_options(timeout_s))
+    ql, kl, vl = (cp.shard(t) for t in (q, k, v))
+    if dist.get_rank() == absent_rank:
+        if late_s is None:
+            return {"error": "skipped", "message": "", "start": time.time(), "end": time.time(), "failed_at": None}
+        time.sleep(late_s)
+    return _timed(lambda: ringfa4.attention(ql, kl, vl, cp=cp, causal=True))
+
+
+def fault_bad_input(kind):
+    """Bad input on one rank that used to escape the metadata check; the same ValueError everywhere."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "ulysses_degree":
+        ringfa4.ContextParallel(backend="reference", ulysses=2 if rank == 1 else 1)
+        return "no error"
+    if kind in ("cu_malformed", "cu_differs", "pack_mode"):
+        cp = ringfa4.ContextParallel(backend="reference")
+        cu = [0, 5, 9, 12]
+        if kind == "cu_malformed" and rank == 1:
+            cu = [0, 5, 3, 12]
+        if kind == "cu_differs" and rank == world - 1:
+            cu = [0, 5, 10, 12]
+        cp.pack(torch.tensor(cu, dtype=torch.int32), mode="bogus" if kind == "pack_mode" and rank == 0 else "auto")
+        return "no error"
+    q, k, v, _ = _inputs(1, 8 * world, 2, 2, 8, torch.float32, 1)
+    cp = ringfa4.ContextParallel(backend="reference")
+    ql, kl, vl = (cp.shard(t) for t in (q, k, v))
+    if kind == "device" and rank == 1:
+        ql, kl, vl = (t.to("meta") for t in (ql, kl, vl))
+    ringfa4.attention(ql, kl, vl, cp=cp, causal=True)
+    return "no error"
+
+
+def packed_exit_sequence(seed, mode):
+    """The issue's exit case: six packed calls (random lengths, zero- and one-token documents),
+    forward and backward, on this group (the caller destroys it and exits)."""
+    from helpers import random_cu_seqlens
+
+    g = torch.Generator().manual_seed(seed)
+    cp = ringfa4.ContextParallel(backend="reference")
+    for i in range(6):
+        lengths = [int(x) for x in torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
+        lengths += [0, 1]
+        cu = random_cu_seqlens(lengths)
+        T = sum(lengths)
+        q, k, v, do = (torch.randn(T, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2, 4))
+        pack = cp.pack(cu, mode)
+        ql, kl, vl = (pack.shard(t).clone().requires_grad_() for t in (q, k, v))
+        out = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, causal=True)
+        out.backward(pack.shard(do))
+    return "ok"

@@ -7,6 +7,7 @@ import os
 import queue
 import socket
 import sys
+import time
 
 import torch.multiprocessing as mp
 
@@ -71,13 +72,28 @@ class Pool:
             out[rank] = (status, value)
         return [out[r] for r in range(self.world)]
 
-    def close(self) -> None:
+    def run_some(self, name: str, *args, timeout: float = 60.0) -> dict[int, tuple[str, object]]:
+        """Like :meth:`run` for jobs where some ranks may die: ``{rank: (status, value)}`` of the
+        ranks that answered within ``timeout`` seconds (a dead rank never does)."""
+        for q in self.jobs:
+            q.put((name, args))
+        out: dict[int, tuple[str, object]] = {}
+        end = time.monotonic() + timeout
+        while len(out) < self.world and time.monotonic() < end:
+            try:
+                rank, status, value = self.results.get(timeout=max(0.1, end - time.monotonic()))
+            except queue.Empty:
+                break
+            out[rank] = (status, value)
+        return out
+
+    def close(self, join_s: float = 10.0) -> None:
         for q in self.jobs:
             try:
                 q.put(None)
             except Exception:
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=join_s)
             if p.is_alive():
                 p.kill()

@@ -1,10 +1,11 @@
 """Validation of a CP attention call: local checks, then one small metadata all-gather so every rank
-raises the same ValueError before any data moves. Failures mid-call are posted to the rendezvous
-store so peers waiting on a hop can say which rank failed and why."""
+raises the same ValueError before any data moves (shapes, dtype, device type, spec, layout, the
+Ulysses degree, the pack, every option, the call's sequence number). The same exchange checks the
+CP plan before a subgroup is made and the cu_seqlens of ``cp.pack`` (first differing boundary
+named). Failures mid-call go through the error channel (:mod:`.errors`)."""
 
 from __future__ import annotations
 
-import datetime
 import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,13 +18,14 @@ from ..kernels.validate import validate_block
 from ..options import RingOptions
 from .layouts import Layout
 
-__all__ = ["CPGroup", "CallShape", "check_local", "exchange_and_check", "peer_failure", "post_error"]
+__all__ = ["CPGroup", "CallShape", "check_local", "check_plan", "exchange_and_check", "gather_ints", "gather_text",
+           "check_cu_seqlens"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPTION_FIELDS = tuple(f"options.{n}" for n in RingOptions.field_names())
-_FIELDS = ("q.shape", "k.shape", "v.shape", "dtype", "causal", "window", "softcap", "softmax_scale", "layout",
-           "ulysses degree", "packing (cu_seqlens fingerprint)") + _OPTION_FIELDS
-_ERROR_KEY = "ringfa4/error"
+_DEVICES = ("cpu", "cuda", "meta", "xpu", "mps")
+_FIELDS = ("call number", "q.shape", "k.shape", "v.shape", "dtype", "device type", "causal", "window", "softcap",
+           "softmax_scale", "layout", "ulysses degree", "packing (cu_seqlens fingerprint)") + _OPTION_FIELDS
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,7 @@ def check_local(q, k, v, spec: AttnSpec, layout: Layout, where: str, seq_len: in
     """Local checks of one rank's dense inputs standing for a ``seq_len``-token sequence; the
     error message, or None."""
     try:
-        validate_block(q, k, v, spec, where)
-        what = (f"q sequence length (local {q.shape[1]} x {layout.world_size} ranks)" if seq_len != q.shape[1]
-                else "q sequence length")
-        layout.check_seq_len(seq_len, what, where)
+        validate_block(q, k, v, spec, where)  # any sequence length: the layout cuts it (unevenly if need be)
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"{where}k sequence length must equal q's {q.shape[1]} under CP, got {k.shape[1]}")
     except ValueError as exc:
@@ -65,15 +64,21 @@ def _f64_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _meta(shape: CallShape, spec: AttnSpec, layout: Layout, packing: int, options: RingOptions) -> list[int]:
+def _device_code(device: torch.device) -> int:
+    return _DEVICES.index(device.type) + 1 if device.type in _DEVICES else 0
+
+
+def _meta(call: int, shape: CallShape, spec: AttnSpec, layout: Layout, packing: int, options: RingOptions
+          ) -> list[int]:
     w = [-1 if x is None else x for x in spec.window]
-    return [*shape.q, *shape.k, *shape.v, _DTYPES.get(shape.dtype, 0), int(spec.causal), *w,
+    return [call, *shape.q, *shape.k, *shape.v, _DTYPES.get(shape.dtype, 0), _device_code(shape.device),
+            int(spec.causal), *w,
             _f64_bits(spec.softcap), _f64_bits(spec.softmax_scale), layout.ring_layout.chunks_per_rank,
             layout.ulysses, packing, *options.encode()]
 
 
 # values of each of _FIELDS in the metadata vector
-_FIELD_SIZES = (4, 4, 4, 1, 1, 2, 1, 1, 1, 1, 1) + (1,) * len(_OPTION_FIELDS)
+_FIELD_SIZES = (1, 4, 4, 4, 1, 1, 1, 2, 1, 1, 1, 1, 1) + (1,) * len(_OPTION_FIELDS)
 
 
 def _field_slices():
@@ -87,6 +92,8 @@ def _field_slices():
 def _describe(name: str, vals: list[int]):
     if name.endswith("shape"):
         return tuple(vals)
+    if name == "device type":
+        return _DEVICES[vals[0] - 1] if 0 < vals[0] <= len(_DEVICES) else "unknown"
     if name == "dtype":
         return {c: d for d, c in _DTYPES.items()}.get(vals[0], "unsupported")
     if name == "window":
@@ -103,98 +110,114 @@ def _describe(name: str, vals: list[int]):
 class CPGroup(Protocol):
     """What the check needs of a context-parallel group (``ContextParallel`` has it)."""
 
-    group: Any
+    comm: Any
     rank: int
     world_size: int
     layout: Layout
-    timeout: datetime.timedelta
     options: RingOptions
 
 
-def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: AttnSpec, packing: int = 0) -> None:
-    """All-gather a fixed-size metadata vector (and an error flag) over ``cp.group``; raise the same
-    ValueError on every rank if any rank failed its local checks or the ranks disagree (shapes,
-    spec, layout, pack, and every field of ``cp.options``; each collective waits at most
-    ``cp.timeout``)."""
-    group, rank, world, layout, timeout = cp.group, cp.rank, cp.world_size, cp.layout, cp.timeout
-    n = 1 + sum(_FIELD_SIZES)
-    payload = None if error else _meta(shape, spec, layout, packing, cp.options)
-    meta = [1 if error else 0] + ([0] * (n - 1) if error else payload)
-    use_cuda = dist.get_backend(group) == "nccl"
-    device = shape.device if (use_cuda and shape.device.type == "cuda") else (
-        torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"))
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    every = torch.empty(world * n, dtype=torch.int64, device=device)
-    gather = dist.all_gather_into_tensor
-    work = gather(every, mine, group=group, async_op=True)
-    try:
-        work.wait(timeout)
-    except Exception as exc:
-        raise peer_failure(rank, None, exc, "the metadata all-gather") from exc
-    rows = every.view(world, n).tolist()
-    failed = [r for r in range(world) if rows[r][0]]
-    if failed:
-        first = failed[0]
-        message = _gather_text(group, world, error or "", device, timeout)[first]
-        raise ValueError(message if message.startswith(f"rank {first}") else f"rank {first}: {message}")
-    for name, sl in _field_slices():
-        ref = rows[0][1:][sl]
-        for r in range(1, world):
-            if rows[r][1:][sl] != ref:
-                raise ValueError(f"rank {r}: {name} is {_describe(name, rows[r][1:][sl])}, expected "
-                                 f"{_describe(name, ref)} as on rank 0 (all CP ranks must agree)")
+def _control_device(group) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_ints(comm, call: int, values: list[int], what: str) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank) through one all-gather on
+    ``comm``'s control group, watched by its error channel: ``rows[r]`` is rank r's."""
+    group, world = comm.control, comm.world_size
+    device = _control_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    every = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
+    comm.channel.wait(work, call, what)
+    return every.view(world, len(values)).tolist()
 
 
 _TEXT_BYTES = 2048
 
 
-def _gather_text(group, world: int, text: str, device, timeout: datetime.timedelta) -> list[str]:
+def gather_text(comm, call: int, text: str) -> list[str]:
     """Every rank's ``text`` (utf-8, cut to 2 KiB) through one fixed-size all-gather."""
-    raw = text.encode()[:_TEXT_BYTES]
-    mine = torch.zeros(_TEXT_BYTES + 4, dtype=torch.uint8)
-    mine[:4] = torch.tensor(list(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
-    mine[4:4 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    mine = mine.to(device)
-    every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    gather = dist.all_gather_into_tensor
-    gather(every, mine, group=group, async_op=True).wait(timeout)
-    out = []
-    for row in every.view(world, -1).cpu().tolist():
-        n = int.from_bytes(bytes(row[:4]), "little")
-        out.append(bytes(row[4:4 + n]).decode(errors="replace"))
-    return out
+    raw = list(text.encode()[:_TEXT_BYTES])
+    rows = gather_ints(comm, call, [len(raw)] + raw + [0] * (_TEXT_BYTES - len(raw)), "the error-text all-gather")
+    return [bytes(row[1:1 + row[0]]).decode(errors="replace") for row in rows]
 
 
-def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group / no store
-        return None
+def _agree_on_errors(comm, call: int, error: str | None, failed: list[int]) -> None:
+    """Raise the first failing rank's message (the same ValueError on every rank)."""
+    if failed:
+        first = failed[0]
+        message = gather_text(comm, call, error or "")[first]
+        raise ValueError(message if message.startswith(f"rank {first}") else f"rank {first}: {message}")
 
 
-def post_error(rank: int, message: str) -> None:
-    """Leave this rank's failure in the rendezvous store for peers that wait on it."""
-    store = _store()
-    if store is not None:
-        try:
-            store.set(_ERROR_KEY, f"rank {rank}: {message}")
-        except Exception:  # best effort only: never mask the original error
-            pass
+def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: AttnSpec, packing: int = 0,
+                       epoch: int = 0) -> int:
+    """All-gather a fixed-size metadata vector (an error flag, this rank's ``epoch`` and the call's
+    shapes, spec, layout, pack and every field of ``cp.options``) over the control group; raise
+    the same ValueError on every rank if any rank failed its local checks or the ranks disagree.
+    Returns the largest epoch of any rank (the group renews its data groups when it grew), also
+    when it raises (``cp.comm.agreed_epoch``)."""
+    comm = cp.comm
+    call = comm.channel.next_call()
+    n = sum(_FIELD_SIZES)
+    meta = [1 if error else 0, epoch] + ([0] * n if error else _meta(call, shape, spec, cp.layout, packing,
+                                                                      cp.options))
+    rows = gather_ints(comm, call, meta, "the metadata all-gather")
+    comm.agreed_epoch = max(r[1] for r in rows)
+    _agree_on_errors(comm, call, error, [r for r in range(cp.world_size) if rows[r][0]])
+    calls = [r[2] for r in rows]
+    if len(set(calls)) > 1:  # a rank skipped a call: resynchronise the numbers, then say so
+        comm.channel.resync(max(calls))
+    for name, sl in _field_slices():
+        ref = rows[0][2:][sl]
+        for r in range(1, cp.world_size):
+            if rows[r][2:][sl] != ref:
+                got, want = _describe(name, rows[r][2:][sl]), _describe(name, ref)
+                raise ValueError(f"rank {r}: {name} is {got}, expected {want} as on rank 0 (all CP ranks must agree)"
+                                 + (": a rank skipped or repeated a call" if name == "call number" else ""))
+    return comm.agreed_epoch
 
 
-def peer_failure(rank: int, peer: int | None, exc: BaseException, what: str = "a ring hop") -> RuntimeError:
-    """The error a waiting rank raises: the first failure posted to the store, else the peer."""
-    store = _store()
-    posted = None
-    if store is not None:
-        try:
-            if store.check([_ERROR_KEY]):
-                posted = store.get(_ERROR_KEY).decode()
-        except Exception:
-            posted = None
-    if posted:
-        return RuntimeError(f"rank {rank}: {what} failed because {posted}")
-    who = "a peer" if peer is None else f"peer rank {peer}"
-    return RuntimeError(f"rank {rank}: {what} failed or timed out waiting on {who}: {exc}")
+_PLAN_FIELDS = ("CP world size", "ulysses degree", "layout") + _OPTION_FIELDS
 
 
+def check_plan(comm, world: int, ulysses: int, layout_code: int, options: RingOptions, error: str | None) -> None:
+    """Before any subgroup is made: every rank's (world size, Ulysses degree, layout, options) and
+    local construction error; the same ValueError on every rank when one failed or they differ."""
+    call = comm.channel.next_call()
+    rows = gather_ints(comm, call, [1 if error else 0, world, ulysses, layout_code, *options.encode()],
+                       "the CP plan all-gather")
+    _agree_on_errors(comm, call, error, [r for r in range(comm.world_size) if rows[r][0]])
+    for i, name in enumerate(_PLAN_FIELDS):
+        ref = rows[0][1 + i]
+        for r in range(1, comm.world_size):
+            if rows[r][1 + i] != ref:
+                got, want = rows[r][1 + i], ref
+                if name.startswith("options."):
+                    got, want = (RingOptions.decode_field(name.removeprefix("options."), x) for x in (got, want))
+                elif name == "layout":
+                    got, want = (_describe("layout", [x]) for x in (got, want))
+                raise ValueError(f"rank {r}: {name} is {got}, expected {want} as on rank 0 (all CP ranks must agree; "
+                                 f"checked before any subgroup is created)")
+
+
+def check_cu_seqlens(comm, cu: list[int] | None, error: str | None) -> None:
+    """``cp.pack``'s cu_seqlens on every rank: the same ValueError everywhere when one rank's are
+    malformed (naming it) or they differ (naming the first differing boundary)."""
+    call = comm.channel.next_call()
+    n = -1 if cu is None else len(cu)
+    rows = gather_ints(comm, call, [1 if error else 0, n], "the cu_seqlens all-gather")
+    _agree_on_errors(comm, call, error, [r for r in range(comm.world_size) if rows[r][0]])
+    sizes = [r[1] for r in rows]
+    longest = max(sizes)
+    every = gather_ints(comm, call, list(cu) + [-1] * (longest - len(cu)), "the cu_seqlens all-gather")
+    for r in range(1, comm.world_size):
+        if every[r] != every[0]:
+            i = next(j for j in range(longest) if every[r][j] != every[0][j])
+            got, want = every[r][i], every[0][i]
+            raise ValueError(f"rank {r}: cu_seqlens[{i}] is {'missing' if got == -1 else got}, expected "
+                             f"{'missing' if want == -1 else want} as on rank 0 (cu_seqlens has {sizes[r]} entries "
+                             f"there, {sizes[0]} on rank 0; all CP ranks must pack the same batch)")

@@ -2,8 +2,10 @@
 which one they hold:
 
 - :class:`DistributedGroup`: this process is one rank of a torch.distributed group; tensors are
-  its shard; ``split`` / ``join`` are one-element lists; collectives wait at most the options'
-  timeout and name the peer that failed;
+  its shard; ``split`` / ``join`` are one-element lists; every wait is watched by the group's
+  error channel (:mod:`.errors`: a posted error, a dead or a missing rank ends it within seconds,
+  named); the metadata checks run on a control group of their own (gloo), and after a failed call
+  the data groups are renewed at the next check, so the group takes the next call;
 - :class:`SimulatedGroup`: all ``world_size`` ranks in this process on one device; tensors are the
   full sequence (``shard`` / ``unshard`` the identity), ``split`` cuts them per rank and ``join``
   puts them back; the Ulysses all-to-all is a head split (moves nothing on one device).
@@ -15,13 +17,15 @@ which one they hold:
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..kernels.spec import AttnSpec
-from .checks import CallShape, exchange_and_check, peer_failure, post_error
+from .checks import CallShape, check_cu_seqlens, exchange_and_check
+from .errors import Channel, is_peer_failure
 from .transport import LoopbackTransport, P2PTransport, Transport
 from .ulysses import UlyssesComm, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
 
@@ -70,7 +74,8 @@ class SimulatedGroup:
         """The Ulysses group's packed pieces: not needed (the all-to-all is a head split)."""
         return None
 
-    def agree(self, cp, error: str | None, shape: CallShape | None, spec: AttnSpec, fingerprint: int) -> None:
+    def agree(self, cp, error: str | None, shape: CallShape | None, spec: AttnSpec, fingerprint: int,
+              cu: tuple[int, ...] | None = None) -> None:
         """One process checks alone: raise its error."""
         if error:
             raise ValueError(error)
@@ -89,12 +94,50 @@ class SimulatedGroup:
         return torch.cat(lses, dim=head_dim)
 
 
+_CONTROL: dict[tuple, object] = {}
+
+
+def new_local_group(ranks: list[int], timeout: datetime.timedelta):
+    """A process group of ``ranks`` (global) that only its members create (hashed name)."""
+    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+
+
+def _control_group(group, ranks: list[int], timeout: datetime.timedelta):
+    """The gloo group the metadata checks of ``ranks`` run on, one per rank set (no data ever
+    moves on it, so a failed call's leftovers never meet the next call's check); NCCL: ``group``."""
+    if dist.get_backend(group) != "gloo":
+        return group
+    key = (id(dist.distributed_c10d._get_default_group()), tuple(ranks))
+    if key not in _CONTROL:
+        _CONTROL[key] = new_local_group(ranks, timeout)
+    return _CONTROL[key]
+
+
+_DATA: dict[tuple, list] = {}  # per rank set: [epoch, the gloo group the data of CP calls moves on]
+
+
+def _data_key(ranks: list[int]) -> tuple:
+    return (id(dist.distributed_c10d._get_default_group()), tuple(ranks))
+
+
+def _data_group(group, ranks: list[int], timeout: datetime.timedelta) -> list:
+    """``[epoch, group]`` of ``ranks``' data: over gloo a group of our own (so a failed call never
+    leaves anything on the user's group), renewed after a failed call; NCCL: ``group`` itself."""
+    key = _data_key(ranks)
+    if key not in _DATA:
+        _DATA[key] = [0, new_local_group(ranks, timeout) if dist.get_backend(group) == "gloo" else group]
+    return _DATA[key]
+
+
 class DistributedGroup:
-    """One rank of ``group`` (see the module doc); ``timeout`` bounds every collective."""
+    """One rank of ``group`` (see the module doc); ``timeout`` bounds every wait. ``channel``: the
+    parent CP group's error channel (a hybrid's Ulysses and ring sub-groups share it); ``cp_ranks``:
+    the CP-group rank of each rank of ``group``."""
 
     is_simulated = False
 
-    def __init__(self, group, timeout: datetime.timedelta, transport: Transport | None = None) -> None:
+    def __init__(self, group, timeout: datetime.timedelta, transport: Transport | None = None,
+                 channel: Channel | None = None, cp_ranks: list[int] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialized")
@@ -105,14 +148,63 @@ class DistributedGroup:
             self.world_size = dist.get_world_size(self.group)
         self.ranks = (self.rank,)
         self.timeout = timeout
-        self.transport = transport or P2PTransport(self.group, self.rank, self.world_size, timeout,
-                                                   on_timeout=lambda peer, exc: peer_failure(self.rank, peer, exc))
+        self.global_ranks = ([dist.get_global_rank(self.group, i) for i in range(self.world_size)]
+                             if self.group is not None else [0])
+        self.cp_ranks = cp_ranks or list(range(self.world_size))
+        top = channel is None and self.group is not None
+        self.channel = channel if not top else Channel(self.group, self.rank, self.world_size,
+                                                       timeout.total_seconds())
+        self.control = _control_group(self.group, self.global_ranks, timeout) if top and self._local() else None
+        self.agreed_epoch = 0
+        self.data = _data_group(self.group, self.global_ranks, timeout) if top and self._local() else None
+        self.epoch = self.data[0] if self.data else 0
+        self.on_new_epoch: Callable[[], None] | None = None  # renews a hybrid's sub-groups (ContextParallel)
+        self._calls: dict[int, int] = {}  # id(run) -> the call its forward belonged to (its backward's too)
+        data = self.data[1] if self.data else self.group
+        self.transport = transport or P2PTransport(data, self.rank, self.world_size, timeout, self.channel,
+                                                   self.cp_ranks)
 
     def where(self) -> str:
         return f"rank {self.rank}: "
 
     def _local(self) -> bool:
         return self.world_size > 1
+
+    def rebind(self, group) -> None:
+        """Move this rank's data onto ``group`` (a renewed group of the same ranks)."""
+        if self.data is None:  # a hybrid's sub-group: its own group is its data group
+            self.group = group
+        self.transport.group = group
+
+    def _renew(self) -> None:
+        """After a failed call (some rank's epoch grew): fresh data groups on every rank, at the
+        same point of the same check; the old ones keep what a failed call left on them."""
+        if self.data is None:
+            return
+        if self.agreed_epoch > self.data[0] and dist.get_backend(self.data[1]) == "gloo":
+            self.data[:] = [self.agreed_epoch, new_local_group(self.global_ranks, self.timeout)]
+        self.channel.want_epoch = max(self.channel.want_epoch, self.data[0])
+        if self.epoch < self.data[0]:
+            self.epoch = self.data[0]
+            if self.on_new_epoch is not None:
+                self.on_new_epoch()
+            self.rebind(self.data[1])
+
+    def _failed(self, exc: BaseException, call: int) -> None:
+        """This rank leaves a call by ``exc``: post it if it is a root cause; renew data groups."""
+        if self.channel is None:
+            return
+        self.channel.want_epoch += 1
+        if not is_peer_failure(exc):
+            self.channel.post(call, f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc),
+                              type(exc).__name__)
+
+    def _guarded(self, call: int, fn: Callable, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._failed(exc, call)
+            raise
 
     def shard(self, placement, x: torch.Tensor, dim: int) -> torch.Tensor:
         return placement.shard(x, dim, self.rank) if self._local() else x
@@ -130,11 +222,9 @@ class DistributedGroup:
             buf = x_local.new_zeros(shape)
             buf.narrow(dim, 0, x_local.shape[dim]).copy_(x_local)
         parts = [torch.empty_like(buf) for _ in range(self.world_size)]
-        work = dist.all_gather(parts, buf, group=self.group, async_op=True)
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:
-            raise peer_failure(self.rank, None, exc, "unshard's all-gather") from exc
+        call = self.channel.next_call()
+        work = dist.all_gather(parts, buf, group=self.transport.group, async_op=True)
+        self._guarded(call, self.channel.wait, work, call, "unshard's all-gather")
         return placement.unshard(parts, dim)
 
     def split(self, placement, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -152,36 +242,59 @@ class DistributedGroup:
         """Rows of each rank of this rank's Ulysses group (``placement`` a HybridPacking)."""
         return [n for _, n in placement.pieces(self.rank // placement.ulysses)]
 
-    def agree(self, cp, error: str | None, shape: CallShape | None, spec: AttnSpec, fingerprint: int) -> None:
-        """The metadata all-gather: the same ValueError on every rank, before any data moves."""
+    def agree(self, cp, error: str | None, shape: CallShape | None, spec: AttnSpec, fingerprint: int,
+              cu: tuple[int, ...] | None = None) -> None:
+        """The metadata all-gather: the same ValueError on every rank, before any data moves
+        (``cu``: the pack's cu_seqlens, compared boundary by boundary when the fingerprints
+        differ); renews the data groups first when a rank failed a call since the last check."""
         if not self._local():
             if error:
                 raise ValueError(error)
             return
-        exchange_and_check(cp, error, shape, spec, fingerprint)
+        try:
+            exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch)
+        except ValueError as exc:
+            self._renew()
+            if cu is not None and "packing (cu_seqlens fingerprint)" in str(exc):
+                check_cu_seqlens(self, list(cu), None)
+            raise
+        self._renew()
+
+    def check_pack(self, cu: list[int] | None, error: str | None) -> None:
+        """``cp.pack``'s cu_seqlens against every rank's (see :func:`.checks.check_cu_seqlens`)."""
+        if not self._local():
+            if error:
+                raise ValueError(error)
+            return
+        check_cu_seqlens(self, cu, error)
 
     def join(self, placement, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         return parts[0]
 
     def guard(self, fn: Callable, *args):
-        """``fn(*args)``; a failure is posted to the rendezvous store first, for the waiting peers."""
-        try:
+        """``fn(run, ...)`` (a ring forward or backward); a failure is posted to the error
+        channel under the run's call first (a backward uses its forward's call), for the peers."""
+        if self.channel is None:
             return fn(*args)
-        except Exception as exc:
-            post_error(self.rank, f"{type(exc).__name__}: {exc}")
-            raise
+        run = args[0]
+        call = self._calls.get(id(run))
+        if call is None:
+            call = self._calls[id(run)] = self.channel.call
+            weakref.finalize(run, self._calls.pop, id(run), None)
+        self.transport.call = call
+        return self._guarded(call, fn, *args)
 
-    def _all_to_all(self, flat: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]) -> torch.Tensor:
+    def _all_to_all(self, call: int, flat: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]
+                    ) -> torch.Tensor:
         out = flat.new_empty(sum(recv_sizes))
-        work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=self.group, async_op=True)
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:
-            raise peer_failure(self.rank, None, exc, "an all-to-all") from exc
+        work = self._guarded(call, dist.all_to_all_single, out, flat, recv_sizes, send_sizes, self.group, True)
+        self._guarded(call, self.channel.wait, work, call, "the Ulysses all-to-all")
         return out
 
     def _comm(self, rows: int, pieces: list[int] | None) -> UlyssesComm:
-        return UlyssesComm(self.world_size, self.rank, pieces or [rows] * self.world_size, self._all_to_all)
+        call = self.channel.call
+        return UlyssesComm(self.world_size, self.rank, pieces or [rows] * self.world_size,
+                           lambda *a: self._all_to_all(call, *a))
 
     def seq_to_heads(self, tensors: list[torch.Tensor], head_dim: int, pieces: list[int] | None = None
                      ) -> list[list[torch.Tensor]]:
@@ -189,14 +302,14 @@ class DistributedGroup:
         in rank order; ``pieces``: their lengths, default all equal) for this rank's head slice.
         ``head_dim`` 2: dense ``(b, s, h, d)``; 1: packed ``(t, h, d)``."""
         wide = [t if head_dim == 2 else t.unsqueeze(0) for t in tensors]
-        got = seq_to_heads(wide, self._comm(wide[0].shape[1], pieces))
+        got = self._guarded(self.channel.call, seq_to_heads, wide, self._comm(wide[0].shape[1], pieces))
         return [[g if head_dim == 2 else g.squeeze(0) for g in got]]
 
     def heads_to_seq(self, outs: list[torch.Tensor], head_dim: int, pieces: list[int] | None = None) -> torch.Tensor:
         (x,) = outs
         wide = x if head_dim == 2 else x.unsqueeze(0)
         rows = (pieces[self.rank] if pieces else wide.shape[1] // self.world_size)
-        out = heads_to_seq(wide, self._comm(rows, pieces))
+        out = self._guarded(self.channel.call, heads_to_seq, wide, self._comm(rows, pieces))
         return out if head_dim == 2 else out.squeeze(0)
 
     def lse_heads_to_seq(self, lses: list[torch.Tensor], head_dim: int, pieces: list[int] | None = None
@@ -206,6 +319,5 @@ class DistributedGroup:
         (lse,) = lses
         wide = lse if head_dim == 1 else lse.unsqueeze(0)
         rows = (pieces[self.rank] if pieces else wide.shape[2] // self.world_size)
-        out = lse_heads_to_seq(wide, self._comm(rows, pieces))
+        out = self._guarded(self.channel.call, lse_heads_to_seq, wide, self._comm(rows, pieces))
         return out if head_dim == 1 else out.squeeze(0)
-

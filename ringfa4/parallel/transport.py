@@ -8,7 +8,8 @@ makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on 
 communication stream that first waits for the compute stream, so producers are done and earlier
 readers of ``recv`` have finished.
 
-- :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL or gloo), with a timeout.
+- :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
+  ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
   communication stream with the same events (the simulated executor). ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
@@ -116,24 +117,46 @@ class LoopbackTransport(Transport):
 
 
 class P2PTransport(Transport):
-    """One rank of a process group; ring peers are ``rank +- offset`` within ``group``."""
+    """One rank of a process group; ring peers are ``rank +- offset`` within ``group``.
 
-    def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta,
-                 on_timeout=None) -> None:
+    ``channel`` (:class:`~ringfa4.parallel.errors.Channel`) watches every wait: a posted error, a
+    dead peer or a missing rank ends it within seconds, named; ``cp_ranks``: the CP-group rank of
+    each rank of ``group`` (for the messages). Over gloo a hop is one ``all_to_all_single`` of
+    bytes (a collective can be waited on in slices; a gloo send/receive whose wait times out
+    closes the group), so a waiting rank can watch the channel; over NCCL it is
+    ``batch_isend_irecv`` on the communication stream."""
+
+    def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta, channel=None,
+                 cp_ranks: list[int] | None = None) -> None:
         super().__init__()
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-        self.on_timeout = on_timeout  # callable(peer_rank, exc) -> Exception to raise
+        self.group, self.rank, self.world_size, self.timeout = group, rank, world_size, timeout
+        self.channel = channel
+        self.cp_ranks = cp_ranks or list(range(world_size))
+        self.call = 0  # the sequence number the hops belong to (set by the CP group per call)
+        self.gloo = group is not None and dist.get_backend(group) == "gloo"
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _wait(self, work, what: str, peers: list[int] | None) -> None:
+        if self.channel is None:
+            work.wait(self.timeout)
+            return
+        cp_peers = None if peers is None else [self.cp_ranks[p] for p in peers]
+        self.channel.wait(work, self.call, what, cp_peers)
 
     def shift(self, send, recv, offset):
         (s,), (r,) = send, recv
         to = (self.rank + offset) % self.world_size
         frm = (self.rank - offset) % self.world_size
+        if self.gloo:
+            flat = torch.cat([p.reshape(-1).view(torch.uint8) for p in _pieces(s)])
+            out = torch.empty_like(flat)
+            send_sizes, recv_sizes = [0] * self.world_size, [0] * self.world_size
+            send_sizes[to] += flat.numel()
+            recv_sizes[frm] += flat.numel()
+            work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=self.group, async_op=True)
+            return _Handle(works=[work], event=(frm, to, out, _pieces(r)))
         ops = []
         for a, b in zip(_pieces(s), _pieces(r), strict=True):
             ops += [dist.P2POp(dist.isend, a, self._global(to), self.group),
@@ -141,34 +164,28 @@ class P2PTransport(Transport):
         device = _pieces(s)[0].device
         stream = self.comm_stream(device)
         if stream is None:
-            return _Handle(works=dist.batch_isend_irecv(ops), event=frm)
+            return _Handle(works=dist.batch_isend_irecv(ops), event=(frm, to, None, None))
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             works = dist.batch_isend_irecv(ops)
-        return _Handle(works=works, event=frm)
+        return _Handle(works=works, event=(frm, to, None, None))
 
     def wait(self, handle):
+        frm, to, staged, pieces = handle.event
         for work in handle.works:
-            try:
-                work.wait(self.timeout)
-            except Exception as exc:  # timeout or a peer's failure
-                if self.on_timeout is not None:
-                    raise self.on_timeout(handle.event, exc) from exc
-                raise
-
-    def _blocking(self, work) -> None:
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:
-            if self.on_timeout is not None:
-                raise self.on_timeout(None, exc) from exc
-            raise
+            self._wait(work, "a ring hop", sorted({frm, to}))
+        if staged is not None:  # gloo: the bytes into the receive pieces
+            at = 0
+            for piece in pieces:
+                n = piece.numel() * piece.element_size()
+                piece.copy_(staged[at:at + n].clone().view(piece.dtype).view(piece.shape))
+                at += n
 
     def all_gather(self, bufs):
         (b,) = bufs
         out = b.new_empty(self.world_size * b.numel())
         gather = dist.all_gather_into_tensor
-        self._blocking(gather(out, b, group=self.group, async_op=True))
+        self._wait(gather(out, b, group=self.group, async_op=True), "the K/V all-gather", None)
         return [out]
 
     def reduce_scatter(self, fulls):
@@ -176,8 +193,9 @@ class P2PTransport(Transport):
         n = f.numel() // self.world_size
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our slice
             total = f.clone()
-            self._blocking(dist.all_reduce(total, group=self.group, async_op=True))
+            self._wait(dist.all_reduce(total, group=self.group, async_op=True), "the dK/dV reduce-scatter", None)
             return [total[self.rank * n:(self.rank + 1) * n]]
         out = f.new_empty(n)
-        self._blocking(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True))
+        self._wait(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True), "the dK/dV reduce-scatter",
+                   None)
         return [out]
