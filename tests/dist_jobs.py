@@ -462,8 +462,9 @@ def fault_absent(absent_rank, late_s, timeout_s):
 def fault_bad_input(kind):
     """Bad input on one rank that used to escape the metadata check; the same ValueError everywhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if kind == "ulysses_degree":
-        ringfa4.ContextParallel(backend="reference", ulysses=2 if rank == 1 else 1)
+    if kind in ("ulysses_degree", "ulysses_invalid"):
+        bad = world if kind == "ulysses_degree" else 2  # a valid degree only rank 1 asks for; one that divides nothing
+        ringfa4.ContextParallel(backend="reference", ulysses=bad if rank == 1 else 1)
         return "no error"
     if kind in ("cu_malformed", "cu_differs", "pack_mode"):
         cp = ringfa4.ContextParallel(backend="reference")

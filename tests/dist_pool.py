@@ -80,10 +80,12 @@ class Pool:
         out: dict[int, tuple[str, object]] = {}
         end = time.monotonic() + timeout
         while len(out) < self.world and time.monotonic() < end:
+            if all(r in out or not self.procs[r].is_alive() for r in range(self.world)):
+                break  # every live rank answered
             try:
-                rank, status, value = self.results.get(timeout=max(0.1, end - time.monotonic()))
+                rank, status, value = self.results.get(timeout=0.5)
             except queue.Empty:
-                break
+                continue
             out[rank] = (status, value)
         return out
 

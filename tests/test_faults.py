@@ -79,7 +79,8 @@ def test_rank_raises_in_ulysses_then_three_correct_calls():
 
 BAD = [
     ("device", r"^rank 1: device type is meta, expected cpu as on rank 0"),
-    ("ulysses_degree", r"^rank 1: ulysses degree is 2, expected 1 as on rank 0 .*before any subgroup is created"),
+    ("ulysses_degree", r"^rank 1: ulysses degree is 3, expected 1 as on rank 0 .*before any subgroup is created"),
+    ("ulysses_invalid", r"^rank 1: ulysses degree must divide the CP world size 3, got 2$"),
     ("cu_malformed", r"^rank 1: cu_seqlens must .*non-decreasing.*index 2"),
     ("cu_differs", r"^rank 2: cu_seqlens\[2\] is 10, expected 9 as on rank 0"),
     ("pack_mode", r"^rank 0: mode must be 'auto', 'ring' or 'allgather', got 'bogus'"),

@@ -225,6 +225,9 @@ class Channel:
         found = self.posted(call)
         if found is not None and found["rank"] != self.rank:
             return self.peer_error(call, what, found)
+        if self._has(call, "gaveup"):  # the others' leftovers of this call timed out and closed the group
+            return PeerFailure(f"rank {self.rank}: {what} of call {call}: other ranks gave up on this call at their "
+                               f"timeout ({self.timeout_s:g} s); this rank came too late ({exc})")
         if not (self._mark(call, "dead") and self._mark(call, f"alive/{self.rank}")):
             return PeerFailure(f"rank {self.rank}: {what} of call {call} failed: rank 0 (the store's host) died; the "
                                f"rendezvous store is unreachable ({exc})", 0)

@@ -48,6 +48,26 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor(starts + [pos.numel()], dtype=torch.int32)
 
 
+def _parse_cu_seqlens(cu_seqlens) -> tuple[int, ...]:
+    """cu_seqlens (a 1-D integer tensor or sequence) as a tuple of ints; a ValueError naming what
+    is wrong (and the first offending index) otherwise."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dim()}-D {cu_seqlens.dtype}")
+        cu = cu_seqlens.tolist()
+    else:
+        cu = list(cu_seqlens)
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in cu):
+            raise ValueError(f"cu_seqlens must hold ints, got {cu[:16]}")
+    if len(cu) < 1 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:16]} (entry 0 must be 0)")
+    bad = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:16]}: index {bad} ({cu[bad]}) "
+                         f"is below index {bad - 1} ({cu[bad - 1]})")
+    return tuple(int(x) for x in cu)
+
+
 def _unshard(placement, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     shape = list(parts[0].shape)
     shape[dim] = placement.total
@@ -75,10 +95,7 @@ class Packing:
     """The layout inside each document of a packed batch (see module docstring)."""
 
     def __init__(self, cu_seqlens, layout: Layout) -> None:
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-        if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
-        self.cu = tuple(int(x) for x in cu)
+        self.cu = _parse_cu_seqlens(cu_seqlens)
         self.layout = layout
         self.world_size = layout.world_size
         self.total = self.cu[-1]
