@@ -21,7 +21,7 @@ $(VENV)/.recipes: $(VENV)/.base pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PY) -m pip install -q $(TORCH) -e ".[dev,gpu,hf,recipes]"
+	$(PY) -m pip install -q $(TORCH) -e ".[dev,gpu,hf,recipes,trl]"
 	touch $@
 
 # CP=2 over gloo on two CPU processes: SmolLM2-135M fine-tuned on passkey retrieval at 2048 tokens.

@@ -502,3 +502,4 @@ def packed_exit_sequence(seed, mode):
         out = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, causal=True)
         out.backward(pack.shard(do))
     return "ok"
+from trainer_jobs import trainer_bad, trainer_recipe_run, trainer_run  # noqa: E402,F401 (tests/test_trainer.py)
