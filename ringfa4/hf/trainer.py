@@ -61,8 +61,8 @@ def _base_model(model):
 
 
 def _check_model(model, args) -> None:
-    """The model-level bad inputs: another attention implementation, attention dropout, sinks,
-    float32 weights under bf16/fp16 autocast."""
+    """The model-level bad inputs: another attention implementation, attention dropout, an MoE
+    auxiliary loss, float32 weights under bf16/fp16 autocast."""
     base = _base_model(model)
     if (args.bf16 or args.fp16) and any(p.dtype == torch.float32 for p in base.parameters() if p.requires_grad):
         flag = "bf16" if args.bf16 else "fp16"
@@ -80,10 +80,9 @@ def _check_model(model, args) -> None:
     if dropout:
         raise ValueError(f"model.config.attention_dropout is {dropout}: ringfa4 attention has no dropout; set "
                          "model.config.attention_dropout = 0.0")
-    sinks = [name for name, m in base.named_modules() if getattr(m, "sinks", None) is not None]
-    if sinks:
-        raise ValueError(f"{type(base).__name__} has attention sinks ({sinks[0]}, ...), which the ringfa4 trainers do "
-                         "not support yet: train it with a model without sinks")
+    if getattr(text, "output_router_logits", False):
+        raise ValueError(f"{type(base).__name__} returns router logits for an auxiliary load-balancing loss, which "
+                         "the ringfa4 trainers do not add: set model.config.output_router_logits = False")
 
 
 def _check_args(args, cp_size: int, world: int, kwargs: dict) -> None:
