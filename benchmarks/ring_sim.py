@@ -15,7 +15,8 @@ against the block calls on the same shards.
 ``--hops none`` (attribution only: results are wrong) keeps the hops' stream waits and events
 but copies nothing, so ``ring - calls`` splits into the simulated hops' share and the rest.
 
-    python benchmarks/ring_sim.py [--quick] [--level both] [--hops copy] [--out bench_results/ring_sim.json]
+    python benchmarks/ring_sim.py [--quick | --seqs 65536,66536] [--level both] [--hops copy]
+        [--out bench_results/ring_sim.json]
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _calls_alone(cp, spec, be, backward, cache: dict | None = None):
     def run(q, k, v, do):
         qs, ks, vs, dos = split(q, k, v, do)
         ring = cp.run(q, spec)
-        o_s = torch.empty_like(qs[0])
-        l_s = torch.empty(qs[0].shape[0], qs[0].shape[2], qs[0].shape[1], device=q.device)
+        big = max(qs, key=lambda t: t.shape[1])  # uneven lengths: the largest rank's rows
+        o_s = torch.empty_like(big)
+        l_s = torch.empty(big.shape[0], big.shape[2], big.shape[1], device=q.device)
         for r in ring.ranks:
             for t in range(ring.active_steps):
                 src = ring.schedule.source(r, t, ring.schedule.world_size)
@@ -132,6 +134,7 @@ def _options() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64k only")
+    ap.add_argument("--seqs", default="", help="comma-separated sequence lengths (any length: e.g. 65536,66536)")
     ap.add_argument("--worlds", default="4,8", help="comma-separated P values")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--passes", choices=("both", "fwd", "fwd+bwd"), default="both")
@@ -144,7 +147,7 @@ def main() -> None:
                     help="none: hops copy nothing (timing attribution only, wrong results)")
     args = ap.parse_args()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
-    seqs = [65536] if args.quick else [65536, 262144]
+    seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else [65536] if args.quick else [65536, 262144]
     rows = []
     for S in seqs:
         sets = _inputs(S, args.heads, args.head_dim, 2 if S > 100_000 else 3)

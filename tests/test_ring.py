@@ -88,8 +88,7 @@ def test_cp_none_and_one_rank_group_are_one_backend_call():
 def test_simulated_validation_errors():
     cp = ringfa4.ContextParallel.simulated(4, layout="zigzag", backend="reference")
     q, k, v, _ = random_qkv(1, 12, 12, 2, 2, 8)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        ringfa4.attention(q, k, v, cp=cp)
+    ringfa4.attention(q, k, v, cp=cp)  # any length (test_any_length.py): 12 is not a multiple of 8
     q, k, v, _ = random_qkv(1, 16, 16, 3, 2, 8)
     with pytest.raises(ValueError, match="k heads must divide q heads 3"):
         ringfa4.attention(q, k, v, cp=cp)

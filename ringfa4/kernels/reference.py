@@ -59,10 +59,13 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, compute_dtype: torch.dtype | None = None, tile: int = 1) -> None:
         if compute_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"compute_dtype must be None, torch.float32 or torch.float64, got {compute_dtype}")
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+            raise ValueError(f"tile must be a positive int, got {tile!r}")
         self.compute_dtype = compute_dtype
+        self.tile = tile  # no kernel tile of its own; settable so tests cut sequences as FA4 would
 
     def _dtype(self, q: torch.Tensor) -> torch.dtype:
         if self.compute_dtype is not None:

@@ -17,7 +17,7 @@ import torch
 
 from .spec import AttnSpec, BackendUnsupported, BlockBackend
 
-__all__ = ["FallbackBackend", "available_backends", "fa4_installed", "get_backend", "resolve"]
+__all__ = ["FallbackBackend", "available_backends", "backend_tile", "fa4_installed", "get_backend", "resolve"]
 
 NAMES = ("reference", "sdpa", "fa4")
 
@@ -69,6 +69,7 @@ class FallbackBackend:
     def __init__(self, chain: list[BlockBackend]) -> None:
         self.chain = chain
         self.name = chain[0].name
+        self.tile = chain[0].tile
 
     def _first(self, method: str, *args, **kwargs):
         for backend in self.chain[:-1]:
@@ -105,6 +106,14 @@ class FallbackBackend:
             return self.chain[0].forward_merge(q, k, v, spec, out_acc, planes)
         except BackendUnsupported:
             return None
+
+
+def backend_tile(backend: str | BlockBackend) -> int:
+    """The token tile uneven sequences are cut to for ``backend`` (a name: FA4's 128 for "fa4" and
+    "auto", whose first choice it is; 1 for the others), known before any device or dtype is."""
+    if isinstance(backend, str):
+        return 128 if backend in ("auto", "fa4") else 1
+    return backend.tile
 
 
 @functools.cache

@@ -165,6 +165,7 @@ class BlockBackend(Protocol):
     """
 
     name: str
+    tile: int  # the kernels' token tile: uneven sequences are cut into multiples of it (FA4: 128)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None
@@ -187,7 +188,9 @@ class BlockBackend(Protocol):
 
 class PlainBackend:
     """Base of a backend with only ``forward`` / ``backward``: the ring extras' "not offered"
-    answers (fp32 block outputs allowed: ``forward`` copies into a given fp32 ``out``)."""
+    answers (fp32 block outputs allowed: ``forward`` copies into a given fp32 ``out``; no tile)."""
+
+    tile = 1
 
     def fp32_block_outputs(self, device: torch.device) -> bool:
         return True

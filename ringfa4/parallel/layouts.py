@@ -1,18 +1,38 @@
 """How a sequence maps to CP ranks. One class a layout: indices, shard, unshard, positions.
 
-A layout cuts a sequence of ``seq_len`` tokens into equal chunks and gives each rank some of them,
-kept in increasing global order inside the rank (so a local causal mask equals the global one
+A layout cuts a sequence of ``seq_len`` tokens into ``multiple`` chunks and gives each rank some of
+them, kept in increasing global order inside the rank (so a local causal mask equals the global one
 between a rank's own tokens). ``segments(seq_len, rank)`` lists ``(global_start, length)`` in local
 order; everything else derives from it.
+
+Any length: when ``multiple`` divides ``seq_len`` the chunks are equal; otherwise every chunk but
+the last non-empty one holds ``c`` tokens, ``c`` the chunk size rounded up to the block backend's
+tile (``tile``: 128 for FA4) where that leaves the last chunk non-empty, else ``ceil(seq_len /
+multiple)`` (:func:`chunk_bounds`). So ranks may hold different counts (the ring moves buffers of
+the largest); every rank computes the same bounds from ``seq_len``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ContiguousLayout", "HybridLayout", "Layout", "ZigzagLayout", "make_layout"]
+__all__ = ["ContiguousLayout", "HybridLayout", "Layout", "ZigzagLayout", "chunk_bounds", "make_layout"]
+
+
+def chunk_bounds(seq_len: int, n: int, tile: int = 1) -> list[tuple[int, int]]:
+    """``(start, length)`` of ``n`` consecutive chunks covering ``seq_len`` tokens (see the module
+    doc): equal when ``n`` divides ``seq_len``; else full chunks of ``c`` (tile-aligned where the
+    last chunk stays non-empty) followed by one shorter chunk and then empty ones."""
+    if seq_len % n == 0:
+        c = seq_len // n
+        return [(i * c, c) for i in range(n)]
+    c = -(-seq_len // n)
+    aligned = -(-c // tile) * tile
+    if seq_len - (n - 1) * aligned > 0:
+        c = aligned
+    return [(min(i * c, seq_len), max(0, min(c, seq_len - i * c))) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -20,6 +40,7 @@ class Layout:
     """Base: ``world_size`` ranks, ``chunks_per_rank`` equal chunks each."""
 
     world_size: int
+    tile: int = field(default=1, kw_only=True)  # uneven lengths: full chunks are multiples of it (the backend's tile)
     name = "base"
     chunks_per_rank = 1
     ulysses = 1  # the Ulysses degree inside (HybridLayout: its field)
@@ -30,31 +51,41 @@ class Layout:
         return self
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {self.world_size!r}")
+        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
+            raise ValueError(f"tile must be a positive int, got {self.tile!r}")
 
     @property
     def multiple(self) -> int:
-        """The full sequence length must be a multiple of this."""
+        """Sequence lengths that are multiples of this cut into equal chunks (others too, unevenly)."""
         return self.world_size * self.chunks_per_rank
 
     def chunks(self, rank: int) -> list[int]:
         raise NotImplementedError
 
-    def check_seq_len(self, seq_len: int, what: str = "sequence length", where: str = "") -> None:
-        if seq_len % self.multiple != 0:
-            raise ValueError(f"{where}{what} {seq_len} must be a multiple of {self.multiple} for the "
-                             f"{self.name} layout over {self.world_size} ranks (uneven lengths: use packing)")
-
     def segments(self, seq_len: int, rank: int) -> list[tuple[int, int]]:
-        """``(global_start, length)`` of this rank's chunks, in local order."""
-        self.check_seq_len(seq_len)
-        c = seq_len // self.multiple
-        return [(i * c, c) for i in self.chunks(rank)]
+        """``(global_start, length)`` of this rank's chunks, in local order (empty ones left out)."""
+        bounds = chunk_bounds(seq_len, self.multiple, self.tile)
+        return [bounds[i] for i in self.chunks(rank) if bounds[i][1]]
+
+    def rows(self, seq_len: int, rank: int) -> int:
+        """Tokens ``rank`` holds of a ``seq_len``-token sequence."""
+        return sum(n for _, n in self.segments(seq_len, rank))
+
+    def max_rows(self, seq_len: int) -> int:
+        return max(self.rows(seq_len, r) for r in range(self.world_size))
+
+    def seq_len_of(self, rows: list[int]) -> int:
+        """The sequence length whose shards have these per-rank token counts (exact parts)."""
+        return sum(rows)
 
     def indices(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global token indices (int64) held by ``rank``, in local order."""
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in self.segments(seq_len, rank)])
+        segs = self.segments(seq_len, rank)
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in segs])
 
     def positions(self, seq_len: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions (for RoPE) of the local tokens: the same as :meth:`indices`."""
@@ -65,20 +96,25 @@ class Layout:
         segs = self.segments(x.shape[dim], rank)
         if len(segs) == 1:
             return x.narrow(dim, segs[0][0], segs[0][1])
+        if not segs:
+            return x.narrow(dim, 0, 0)
         return torch.cat([x.narrow(dim, s, n) for s, n in segs], dim=dim)
 
-    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-        """Inverse of :meth:`shard` given every rank's part (rank order)."""
+    def unshard(self, parts: list[torch.Tensor], dim: int, seq_len: int | None = None) -> torch.Tensor:
+        """Inverse of :meth:`shard` given every rank's part (rank order); ``seq_len``: the parts
+        may be padded past their rows (all-gathered buffers), else they are exact."""
         if len(parts) != self.world_size:
             raise ValueError(f"unshard needs {self.world_size} parts, got {len(parts)}")
-        local = parts[0].shape[dim]
-        seq_len = local * self.world_size
+        if seq_len is None:
+            seq_len = self.seq_len_of([p.shape[dim] for p in parts])
         pieces: dict[int, torch.Tensor] = {}
         for rank, part in enumerate(parts):
             offset = 0
             for start, n in self.segments(seq_len, rank):
                 pieces[start] = part.narrow(dim, offset, n)
                 offset += n
+        if not pieces:
+            return parts[0].narrow(dim, 0, 0)
         return torch.cat([pieces[s] for s in sorted(pieces)], dim=dim)
 
 
@@ -123,9 +159,10 @@ class ZigzagLayout(Layout):
 class HybridLayout(Layout):
     """Ulysses x ring: ``world_size = U x R`` ranks, rank ``p = g*U + u``. Ring rank ``g`` (a group
     of U ranks, the NVLink domain) holds its ``ring`` layout tokens; inside the group they are cut
-    into U equal consecutive pieces in local order, and rank u holds piece u. After the Ulysses
-    all-to-all (pieces concatenated in u order) every rank of group g holds exactly ring rank g's
-    tokens for 1/U of the heads. Causal picture: the ring layout's, with each row split in U."""
+    into U consecutive pieces in local order (equal, or differing by one token), and rank u holds
+    piece u. After the Ulysses all-to-all (pieces concatenated in u order) every rank of group g
+    holds exactly ring rank g's tokens for 1/U of the heads. Causal picture: the ring layout's, with
+    each row split in U."""
 
     ring: Layout = None  # type: ignore[assignment]
     ulysses: int = 1
@@ -144,17 +181,15 @@ class HybridLayout(Layout):
     def multiple(self) -> int:
         return self.ring.multiple * self.ulysses
 
-    def check_seq_len(self, seq_len: int, what: str = "sequence length", where: str = "") -> None:
-        if seq_len % self.multiple != 0:
-            raise ValueError(f"{where}{what} {seq_len} must be a multiple of {self.multiple} for the "
-                             f"{self.ring.name} ring over {self.ring.world_size} groups x Ulysses {self.ulysses} "
-                             "(uneven lengths: use packing)")
+    def pieces(self, seq_len: int, g: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of the U pieces of ring rank g's local rows (sizes differ by at most
+        one; equal when U divides them)."""
+        return chunk_bounds(self.ring.rows(seq_len, g), self.ulysses)
 
     def segments(self, seq_len: int, rank: int) -> list[tuple[int, int]]:
-        self.check_seq_len(seq_len)
         g, u = divmod(rank, self.ulysses)
-        piece = seq_len // self.world_size
-        lo, hi = u * piece, (u + 1) * piece  # in the ring rank's local order
+        lo, n = self.pieces(seq_len, g)[u]
+        hi = lo + n  # in the ring rank's local order
         out, at = [], 0
         for start, n in self.ring.segments(seq_len, g):
             a, b = max(lo, at), min(hi, at + n)
@@ -167,11 +202,13 @@ class HybridLayout(Layout):
 _LAYOUTS = {"contiguous": ContiguousLayout, "zigzag": ZigzagLayout}
 
 
-def make_layout(name: str | Layout, world_size: int) -> Layout:
+def make_layout(name: str | Layout, world_size: int, tile: int = 1) -> Layout:
+    """The layout ``name`` ("zigzag" | "contiguous", or a Layout, returned as it is) over
+    ``world_size`` ranks; ``tile``: full chunks of uneven lengths are multiples of it."""
     if isinstance(name, Layout):
         if name.world_size != world_size:
             raise ValueError(f"layout world_size must be {world_size}, got {name.world_size}")
         return name
     if name not in _LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(_LAYOUTS)}, got {name!r}")
-    return _LAYOUTS[name](world_size)
+    return _LAYOUTS[name](world_size, tile=tile)

@@ -116,6 +116,7 @@ class Fa4Backend:
     """
 
     name = "fa4"
+    tile = 128  # FA4's kv / q tiles on sm90 and sm100
     RAN_ON = (9,)
 
     def __init__(self, untested_archs: bool = False) -> None:

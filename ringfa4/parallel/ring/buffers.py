@@ -12,16 +12,17 @@ from .run import row_dim, with_rows
 __all__ = ["KVBuffers", "KVRing"]
 
 class KVBuffers:
-    """Flat buffers ``[k | v]`` sized for the largest rank (packed ranks hold different counts);
-    ``view(buf, rows)`` gives (k, v) of a rank with ``rows`` tokens, ``pieces(buf)`` the (k, v) of
-    all ``cap`` rows (what travels)."""
+    """Flat buffers ``[k | v]`` sized for the largest rank (ranks may hold different counts: packed
+    documents, uneven dense lengths); ``view(buf, rows)`` gives (k, v) of a rank with ``rows``
+    tokens: the first ``rows`` along the token dim of the ``cap``-row tensors (a prefix of the flat
+    memory for packed ``(t, h, d)``; strided for dense ``(b, s, h, d)`` with b > 1 when rows < cap);
+    ``pieces(buf)`` the (k, v) of all ``cap`` rows (what travels)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
         self.cap = cap_rows
         self.k_shape, self.v_shape = with_rows(k, cap_rows), with_rows(v, cap_rows)
         self.k_cap = math.prod(self.k_shape)
         self.numel = self.k_cap + math.prod(self.v_shape)
-        self.template = (k, v)
         self.dtype = dtype or k.dtype
 
     def empty(self, device) -> torch.Tensor:
@@ -31,12 +32,8 @@ class KVBuffers:
         return torch.zeros(self.numel, dtype=self.dtype, device=device)
 
     def view(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(buf, tuple):  # (k, v) pieces: the first ``rows`` (the flat view's memory: packed
-            k, v = buf              # tensors are row-major; dense ranks hold ``cap`` rows)
-            return k.narrow(row_dim(k), 0, rows), v.narrow(row_dim(v), 0, rows)
-        k, v = self.template
-        ks, vs = with_rows(k, rows), with_rows(v, rows)
-        return buf[: math.prod(ks)].view(ks), buf[self.k_cap: self.k_cap + math.prod(vs)].view(vs)
+        k, v = buf if isinstance(buf, tuple) else self.pieces(buf)
+        return k.narrow(row_dim(k), 0, rows), v.narrow(row_dim(v), 0, rows)
 
     def filled(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         buf = self.empty(k.device)
@@ -46,7 +43,7 @@ class KVBuffers:
         return buf
 
     def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.view(buf, self.cap)
+        return buf[: self.k_cap].view(self.k_shape), buf[self.k_cap:].view(self.v_shape)
 
 
 class KVRing:

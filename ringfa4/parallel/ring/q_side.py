@@ -109,9 +109,12 @@ class QSide:
 
 
 def q_side_possible(run: RingRun, qs, states: list) -> bool:
-    """Dense inputs, an fp32 dK/dV wire (the q side's accumulators never round) and an
-    AccumBackward state on every local rank."""
-    return qs[0].dim() == 4 and run.options.dkv_wire_fp32 and all(st is not None for st in states)
+    """Dense inputs with the same rows on every rank (the q sides travel as they are), an fp32
+    dK/dV wire (the q side's accumulators never round) and an AccumBackward state on every local
+    rank. The same answer on every rank: the schedule is global."""
+    sched = run.schedule
+    even = all(sched.rows(r) == sched.max_rows for r in range(sched.world_size))
+    return qs[0].dim() == 4 and even and run.options.dkv_wire_fp32 and all(st is not None for st in states)
 
 
 def make_q_side(run: RingRun, states: list, qs, ks, vs) -> QSide:
