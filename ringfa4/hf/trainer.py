@@ -256,7 +256,9 @@ class ContextParallelMixin:
         return total, outputs
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """``world * sum(local token losses) / num_items_in_batch`` (see the module doc)."""
+        """``world * sum(local token losses) / num_items_in_batch`` (see the module doc). Called
+        outside the training loop on a raw batch without ``num_items_in_batch``, the divisor is
+        this batch's dp-global target count (one all-reduce)."""
         prep, targets = self._cp_batch(inputs)
         if num_items_in_batch is None:
             num_items_in_batch = targets if targets is not None else prep.shard.num_targets
