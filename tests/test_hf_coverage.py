@@ -101,3 +101,22 @@ def test_gloo_gpt_oss_cp2(pools):
     for _, v in res:
         assert abs(v["logged"] - v["ref"]) <= TOL * abs(v["ref"]), v
         assert v["grad_rel"] < TOL, v
+
+
+def test_autocast_casts_q_k_v_alike():
+    """Under bf16 autocast on float32 weights, RoPE leaves q / k in float32 and v in bf16: the
+    attention casts all three to the autocast dtype (as SDPA does), and the CP loss matches the
+    eager model's under the same autocast to bf16 accuracy."""
+    rhf.register()
+    ref = hf_models.make_model("llama")
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref.set_attn_implementation("eager")
+        logits = ref(input_ids=ids).logits
+        want = F.cross_entropy(logits[:, :-1].float().reshape(-1, 128), ids[:, 1:].reshape(-1))
+        model = copy.deepcopy(ref)
+        model.set_attn_implementation("ringfa4")
+        cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+        shard = rhf.shard_batch({"input_ids": ids}, cp)
+        loss, _ = rhf.causal_lm_loss(model(**shard.model_inputs()).logits, shard)
+    assert abs(loss.item() - want.item()) <= 2e-2 * abs(want.item()), (loss.item(), want.item())

@@ -65,6 +65,10 @@ def _attention_fn(default_cp: ContextParallel | None):
         window = (None, None) if sliding_window is None else (int(sliding_window) - 1,
                                                               None if causal else int(sliding_window) - 1)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d)
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: q / k (after RoPE, fp32) and v alike
+            dt = torch.get_autocast_dtype(device_type)
+            q, k, v = (t.to(dt) for t in (q, k, v))
         packing = meta.packing if meta is not None else None
         if packing is not None:
             if q.shape[0] != 1:
