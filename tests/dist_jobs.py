@@ -491,7 +491,7 @@ def packed_exit_sequence(seed, mode):
 
     g = torch.Generator().manual_seed(seed)
     cp = ringfa4.ContextParallel(backend="reference")
-    for i in range(6):
+    for _ in range(6):
         lengths = [int(x) for x in torch.randint(0, 40, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)]
         lengths += [0, 1]
         cu = random_cu_seqlens(lengths)

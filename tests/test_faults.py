@@ -30,7 +30,7 @@ def pool3():
 def _check_after(after, world, ulysses=1):
     """The correct calls after a failure: bit identical to the simulated executor on every rank, and
     within 2x the reference backend's full-sequence error (float64) of float64 math."""
-    for i, (status, res) in enumerate(after):
+    for i, (_, res) in enumerate(after):
         assert res["identical"], f"call {i} after the failure differs from the simulated executor"
         if "full" in res:
             q, k, v, do = random_qkv(1, 4 * world, 4 * world, 4, 2, 8, dtype=torch.float64, seed=20 + i)
