@@ -123,7 +123,6 @@ def test_long_context_option(pools, tmp_path_factory, tmp_path):
     ("dropout", "model.config.attention_dropout is 0.1"),
     ("implementation", "the model was loaded with attn_implementation='mine'"),
     ("packing_batch", "per_device_train_batch_size=2 with packing=True"),
-    ("autocast", "bf16=True autocasts a float32 model"),
     ("mask_4d", "the batch has a 4-D attention_mask"),
     ("mask_holes", "rank 1: the batch's attention_mask is not causal right padding"),
 ])

@@ -153,8 +153,6 @@ def trainer_bad(case: str, out: str) -> str:
     spec = {"trainer": "trainer", "cp": 2, "per_device": 1}
     if case == "cp_size":
         spec["cp"] = 3
-    elif case == "autocast":
-        spec["args"] = {"bf16": True}
     elif case == "dropout":
         spec["config"] = {"attention_dropout": 0.1}
     elif case == "packing_batch":

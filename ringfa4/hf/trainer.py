@@ -62,13 +62,9 @@ def _base_model(model):
 
 def _check_model(model, args) -> None:
     """The model-level bad inputs: another attention implementation, attention dropout, an MoE
-    auxiliary loss, float32 weights under bf16/fp16 autocast."""
+    auxiliary loss. (bf16 / fp16 autocast of float32 weights is fine: the attention casts q, k, v
+    alike, as SDPA does.)"""
     base = _base_model(model)
-    if (args.bf16 or args.fp16) and any(p.dtype == torch.float32 for p in base.parameters() if p.requires_grad):
-        flag = "bf16" if args.bf16 else "fp16"
-        raise ValueError(f"{flag}=True autocasts a float32 model, which hands ringfa4 attention float32 q/k (after "
-                         f"RoPE) and 16-bit v: load the model in {'bfloat16' if args.bf16 else 'float16'} "
-                         f"(dtype=...) or set {flag}=False")
     config = base.config
     impl = getattr(config, "_attn_implementation", None)
     if impl not in REPLACEABLE and impl != NAME:
