@@ -16,7 +16,9 @@ which one they hold:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import weakref
 from collections.abc import Callable
 
@@ -95,6 +97,16 @@ class SimulatedGroup:
 
 
 _CONTROL: dict[tuple, object] = {}
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Drop our process groups while the interpreter is whole: destroyed at interpreter teardown
+    instead, a gloo group's threads end the process with SIGABRT ("terminate called without an
+    active exception") after ``destroy_process_group()`` returned (issue 24)."""
+    _CONTROL.clear()
+    _DATA.clear()
+    gc.collect()  # ContextParallel objects in reference cycles hold groups too
 
 
 def new_local_group(ranks: list[int], timeout: datetime.timedelta):
