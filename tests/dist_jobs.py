@@ -475,6 +475,13 @@ def fault_bad_input(kind):
             cu = [0, 5, 10, 12]
         cp.pack(torch.tensor(cu, dtype=torch.int32), mode="bogus" if kind == "pack_mode" and rank == 0 else "auto")
         return "no error"
+    if kind == "pack_shard":  # rank 1 shards a tensor of the wrong length; the others wait in the call
+        cp = ringfa4.ContextParallel(backend="reference")
+        pack = cp.pack(torch.tensor([0, 5, 9, 12], dtype=torch.int32))
+        x = torch.randn(12 + (1 if rank == 1 else 0), 2, 8)
+        xl = pack.shard(x)
+        ringfa4.attention(xl, xl, xl, cp=cp, packing=pack, causal=True)
+        return "no error"
     q, k, v, _ = _inputs(1, 8 * world, 2, 2, 8, torch.float32, 1)
     cp = ringfa4.ContextParallel(backend="reference")
     ql, kl, vl = (cp.shard(t) for t in (q, k, v))

@@ -101,6 +101,21 @@ def test_bad_input_that_used_to_escape_the_check(pool3, kind, message):
 
 
 @pytest.mark.timeout(120)
+def test_a_bad_pack_shard_on_one_rank_reaches_all():
+    """rank 1's ``pack.shard`` gets a tensor of the wrong length: it raises at once, and the others,
+    waiting in the next call's check, raise the same ValueError within seconds (own pool: rank 1
+    never joined that check, so the group is not reused)."""
+    pool = Pool(3, pg_timeout_s=30)
+    try:
+        res = pool.run("fault_bad_input", "pack_shard", timeout=60)
+    finally:
+        pool.close(join_s=2)
+    assert all(status == "ValueError" for status, _ in res), res
+    assert len({value for _, value in res}) == 1, res
+    assert re.search(r"^rank 1: tensor to shard has 13 tokens along dim 0, expected the pack's total 12", res[0][1])
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("dead", [1, 0])
 def test_a_process_exits_mid_ring(dead):
     """Rank ``dead`` ends its process mid-forward: every other rank names it within 10 s; when rank 0

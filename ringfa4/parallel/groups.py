@@ -219,7 +219,17 @@ class DistributedGroup:
             raise
 
     def shard(self, placement, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return placement.shard(x, dim, self.rank) if self._local() else x
+        """This rank's part of ``x``. A bad ``x`` (a local ValueError) is posted under the next
+        call's key first, so the peers' next check raises the same ValueError within seconds."""
+        if not self._local():
+            return x
+        try:
+            return placement.shard(x, dim, self.rank)
+        except ValueError as exc:
+            message = f"rank {self.rank}: {exc}"
+            if self.channel is not None:
+                self.channel.post(self.channel.call + 1, message, "ValueError")
+            raise ValueError(message) from None
 
     def unshard(self, placement, x_local: torch.Tensor, dim: int, max_rows: int | None = None) -> torch.Tensor:
         """All-gather the local parts back into global order; ``max_rows``: ranks hold different
