@@ -26,12 +26,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..kernels import AttnSpec, get_backend
 from ..kernels.autograd import block_attention
 from ..kernels.output_cache import record_output, replay_output
+from ..kernels.registry import backend_tile
 from ..kernels.sinks import sink_grad
 from ..kernels.validate import validate_block
 from ..options import RingOptions, warn_ignored_env
 from .allgather import AllGatherSchedule, allgather_backward, allgather_forward, prefer_allgather
-from .checks import CallShape, check_local
-from .groups import DistributedGroup, SimulatedGroup
+from .checks import CallShape, check_local, check_plan
+from .groups import DistributedGroup, SimulatedGroup, new_local_group
 from .layouts import HybridLayout, Layout, make_layout
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import detect_nvlink_domain, plan_cp
@@ -52,7 +53,7 @@ class ContextParallel:
 
     def __init__(self, group=None, layout: str | Layout = "zigzag", backend="auto", ulysses: int = 1, *,
                  options: RingOptions | None = None, timeout: datetime.timedelta | None = None,
-                 _simulated: int | None = None, _transport=None) -> None:
+                 _simulated: int | None = None, _transport=None, _parent: tuple | None = None) -> None:
         options = RingOptions() if options is None else options
         if not isinstance(options, RingOptions):
             raise ValueError(f"options must be a RingOptions, got {type(options).__name__}")
@@ -65,12 +66,21 @@ class ContextParallel:
         else:
             if isinstance(group, DeviceMesh):
                 group = group.get_group()
-            self.comm = DistributedGroup(group, self.timeout, _transport)
+            self.comm = DistributedGroup(group, self.timeout, _transport, *(_parent or (None, None)))
         self.group, self.rank, self.world_size = self.comm.group, self.comm.rank, self.comm.world_size
-        if not isinstance(ulysses, int) or ulysses < 1 or self.world_size % ulysses:
-            raise ValueError(f"ulysses degree must divide the CP world size {self.world_size}, got {ulysses!r}")
-        self.ulysses, self.ring_size = ulysses, self.world_size // ulysses
-        self.ring_layout = make_layout(layout, self.ring_size)
+        error, code = None, 0
+        try:
+            if isinstance(ulysses, bool) or not isinstance(ulysses, int) or ulysses < 1 or self.world_size % ulysses:
+                raise ValueError(f"ulysses degree must divide the CP world size {self.world_size}, got {ulysses!r}")
+            self.ulysses, self.ring_size = ulysses, self.world_size // ulysses
+            self.ring_layout = make_layout(layout, self.ring_size, backend_tile(backend))
+            code = self.ring_layout.chunks_per_rank
+        except ValueError as exc:
+            error = f"{self.comm.where()}{exc}"
+        if _simulated is None and _parent is None and self.world_size > 1:  # before any subgroup exists
+            check_plan(self.comm, self.world_size, ulysses if type(ulysses) is int else -1, code, options, error)
+        if error:
+            raise ValueError(error)
         self.layout = self.ring_layout if ulysses == 1 else HybridLayout(self.world_size, self.ring_layout, ulysses)
         self.transport = self.comm.transport
         self.ulysses_comm = None
@@ -81,20 +91,33 @@ class ContextParallel:
                                          _simulated=self.ring_size, _transport=_transport)
             self.ulysses_comm = SimulatedGroup(ulysses)
         else:
+            U, (g, u) = ulysses, divmod(self.rank, ulysses)
             ulysses_group, ring_group = self._subgroups()
-            self._ring = ContextParallel(ring_group, self.ring_layout, backend, options=options, _transport=_transport)
-            self.ulysses_comm = DistributedGroup(ulysses_group, self.timeout)
+            self._ring = ContextParallel(ring_group, self.ring_layout, backend, options=options, _transport=_transport,
+                                         _parent=(self.comm.channel, [gg * U + u for gg in range(self.ring_size)]))
+            self.ulysses_comm = DistributedGroup(ulysses_group, self.timeout, None, self.comm.channel,
+                                                 [g * U + uu for uu in range(U)])
+
+            def renew() -> None:  # after a failed call: fresh Ulysses and ring groups (the old keep its leftovers)
+                ulysses_new, ring_new = self._subgroups(renew=True)
+                self.ulysses_comm.rebind(ulysses_new)
+                self._ring.comm.rebind(ring_new)
+
+            self.comm.on_new_epoch = renew
 
     @property
     def timeout(self) -> datetime.timedelta:
         """Of every collective and ring hop: ``options.timeout_s``."""
         return datetime.timedelta(seconds=self.options.timeout_s)
 
-    def _subgroups(self):
-        """(Ulysses group of my g, ring group of my u); every rank creates all, in the same order."""
+    def _subgroups(self, renew: bool = False):
+        """(Ulysses group of my g, ring group of my u); every rank creates all, in the same order.
+        ``renew``: after a failed call, fresh groups that only their members create."""
         U, R = self.ulysses, self.ring_size
         ranks = [dist.get_global_rank(self.group, i) for i in range(self.world_size)]
         g, u = divmod(self.rank, U)
+        if renew:
+            return new_local_group(ranks[g * U:(g + 1) * U], self.timeout), new_local_group(ranks[u::U], self.timeout)
         mine_u = mine_r = None
         for gg in range(R):
             pg = dist.new_group(ranks[gg * U:(gg + 1) * U], timeout=self.timeout)
@@ -168,11 +191,20 @@ class ContextParallel:
         batch's global int32 document boundaries (any lengths, zero allowed). ``mode``: "ring"
         (K/V hops), "allgather" (one all-gather of K/V: packs of many short documents) or "auto"
         (the rule of :mod:`ringfa4.parallel.allgather`)."""
-        if mode not in ("auto", "ring", "allgather"):
-            raise ValueError(f"mode must be 'auto', 'ring' or 'allgather', got {mode!r}")
-        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
-            raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-        return Pack(self, Packing(cu_seqlens, self.ring_layout), mode)
+        error, packing = None, None
+        try:
+            if mode not in ("auto", "ring", "allgather"):
+                raise ValueError(f"mode must be 'auto', 'ring' or 'allgather', got {mode!r}")
+            if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
+                raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+            packing = Packing(cu_seqlens, self.ring_layout)
+        except ValueError as exc:
+            error = f"{self.comm.where()}{exc}"
+        if not self.is_simulated:  # every rank's cu_seqlens compared: the same ValueError everywhere
+            self.comm.check_pack(None if packing is None else list(packing.cu), error)
+        elif error:
+            raise ValueError(error)
+        return Pack(self, packing, mode)
 
     def pack_from_position_ids(self, position_ids: torch.Tensor, mode: str = "auto") -> Pack:
         """:meth:`pack` from HF-style position_ids that restart at 0 at every document."""
@@ -195,7 +227,7 @@ class ContextParallel:
                 HeadSplit(q.shape[-2], k.shape[-2], self.ulysses, where)
             except ValueError as exc:
                 error = str(exc)
-        self.comm.agree(self, error, shape, spec, fingerprint)
+        self.comm.agree(self, error, shape, spec, fingerprint, None if pack is None else pack.packing.cu)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                   packing: Pack | None = None) -> tuple[torch.Tensor, torch.Tensor]:
