@@ -100,8 +100,8 @@ def bad_input(kind, ulysses=1):
         causal = False
     if kind == "bad_dtype" and rank == dist.get_world_size() - 1:
         dtype_k = torch.float64
-    if kind == "not_multiple":
-        s = 3
+    if kind == "uneven_wrong":  # the lengths sum to 9, whose zigzag parts over 4 ranks are 2 / 2 / 2 / 3
+        s = 3 if rank == 2 else 2
     if kind == "heads":
         h_kv = 3
     options = ringfa4.RingOptions()
@@ -243,8 +243,6 @@ def hf_bad(kind):
     import ringfa4.hf as rhf
 
     cp = ringfa4.ContextParallel(backend="reference")
-    if kind == "not_divisible":
-        rhf.shard_batch({"input_ids": torch.zeros(1, 30, dtype=torch.long)}, cp)
     if kind == "packed_batch_of_two":
         rhf.shard_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long),
                          "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)}, cp)
@@ -510,3 +508,30 @@ def packed_exit_sequence(seed, mode):
         out.backward(pack.shard(do))
     return "ok"
 from trainer_jobs import trainer_bad, trainer_recipe_run, trainer_run  # noqa: E402,F401 (tests/test_trainer.py)
+
+
+def uneven_case(layout, S, kw, ulysses=1, bad_rank=None):
+    """Dense ring (or Ulysses x ring) on a sequence length the layout does not divide: this rank's
+    uneven shard; the full results after cp.unshard (rank 0) and bit identity with the simulated
+    executor. ``bad_rank``: that rank drops its last token (the others must raise too)."""
+    q, k, v, do = _inputs(2, S, 4, 2, 8, torch.float64, S)
+    be = get_backend("reference", tile=2)
+    cp = ringfa4.ContextParallel(layout=layout, backend=be, ulysses=ulysses)
+    x = [cp.shard(t, 1).clone() for t in (q, k, v, do)]
+    if dist.get_rank() == bad_rank:
+        x = [t[:, :-1].clone() for t in x]
+    ql, kl, vl = (t.requires_grad_() for t in x[:3])
+    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, return_lse=True, **kw)
+    out.backward(x[3])
+    mine = [out.detach(), lse, ql.grad, kl.grad, vl.grad]
+    full = [cp.unshard(mine[0], 1), cp.unshard(lse, 2), cp.unshard(ql.grad, 1), cp.unshard(kl.grad, 1),
+            cp.unshard(vl.grad, 1)]
+    sim = ringfa4.ContextParallel.simulated(cp.world_size, layout=layout, backend=be, ulysses=ulysses)
+    y = [t.clone().requires_grad_() for t in (q, k, v)]
+    so, sl = ringfa4.attention(*y, cp=sim, return_lse=True, **kw)
+    so.backward(do)
+    sim_mine = [cp.shard(so.detach(), 1), cp.shard(sl, 2), *(cp.shard(t.grad, 1) for t in y)]
+    res = {"identical": all(torch.equal(a, b) for a, b in zip(mine, sim_mine)), "rows": out.shape[1]}
+    if dist.get_rank() == 0:
+        res["full"], res["inputs"] = full, (q, k, v, do)
+    return res

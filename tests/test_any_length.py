@@ -120,3 +120,31 @@ def test_cp_shard_any_length_and_shard_batch():
     shard = rhf.shard_batch({"input_ids": ids}, cp)
     assert shard.input_ids.shape == (2, 31) and shard.num_targets == 2 * 30
     assert torch.equal(cp.positions(31), torch.arange(31))
+
+
+@pytest.mark.parametrize("world,layout,S,U", [(2, "zigzag", 13, 1), (3, "contiguous", 10, 1), (3, "zigzag", 7, 1),
+                                              (4, "zigzag", 21, 2), (4, "zigzag", 3, 1)], ids=str)
+def test_gloo_uneven_lengths(pools, world, layout, S, U):
+    """Distributed ranks holding different counts: the check sums their lengths into S, the ring
+    and Ulysses move uneven parts, unshard gathers them back; float64 exact and bit-identical to
+    the simulated executor."""
+    res = pools(world).run("uneven_case", layout, S, {"causal": True}, U)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["identical"] for _, value in res), res
+    lay = HybridLayout(world, make_layout(layout, world // U, tile=2), U) if U > 1 else make_layout(layout, world,
+                                                                                                     tile=2)
+    assert [value["rows"] for _, value in res] == [lay.rows(S, r) for r in range(world)]
+    full = res[0][1]
+    ref = reference_grads(*full["inputs"], causal=True)
+    for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), full["full"], ref):
+        assert rel_err(x, r) < 1e-12, name
+
+
+def test_gloo_uneven_wrong_length_same_error_everywhere(pools):
+    """A rank whose shard does not match the layout's part of the summed length: the same ValueError
+    on every rank, naming it, before any data moves. (S = 14 over 3 zigzag ranks holds 3 / 5 / 6; rank
+    2 dropping a token sums to 13, whose parts are 3 / 4 / 6. A drop that leaves a valid split of a
+    shorter sequence cannot be told apart from it.)"""
+    res = pools(3).run("uneven_case", "zigzag", 14, {"causal": True}, 1, 2, timeout=60)
+    assert all(status == "ValueError" for status, _ in res), res
+    assert len({v for _, v in res}) == 1 and "q.shape is" in res[0][1], res

@@ -158,7 +158,8 @@ BAD = [
     ("shape_mismatch", r"rank 1: q.shape is \(1, 8, 2, 8\), expected \(1, 8, 4, 8\)"),
     ("causal_mismatch", r"rank 1: causal is False, expected True"),
     ("bad_dtype", r"rank 3: k must have q's dtype torch.float32"),
-    ("not_multiple", r"rank 0: q sequence length \(local 3 x 4 ranks\) 12 must be a multiple of 8"),
+    ("uneven_wrong", r"rank 2: q.shape is \(1, 3, 4, 8\), expected \(1, 2, 4, 8\) as on rank 0 \(all CP ranks "
+                     r"must agree\); dim 1: rank 2's part of the 9-token sequence"),
     ("heads", r"rank 0: k heads must divide q heads 4"),
     ("options_groups", r"rank 2: options.dkv_groups is 1, expected 2 as on rank 0"),
     ("options_ring", r"rank 1: options.bwd_ring is q, expected auto as on rank 0"),

@@ -32,19 +32,21 @@ _FIELDS = ("call number", "q.shape", "k.shape", "v.shape", "dtype", "device type
 class CallShape:
     """What the cross-rank check compares of one call's tensors: q, k, v shapes as the whole CP
     group sees them (dense ``(b, s_local, h, d)``; packed: ``(1, total, h, d)``), q's dtype and
-    device."""
+    device. ``dense``: the ranks' local lengths may differ (any sequence length): the check sums
+    them into the sequence length and expects each rank to hold the layout's part of it."""
 
     q: tuple[int, ...]
     k: tuple[int, ...]
     v: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    dense: bool = False
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_total: int | None = None) -> CallShape:
         """Dense tensors as they are; packed ``(t, h, d)`` ones as ``(1, packed_total, h, d)``."""
         if packed_total is None:
-            return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device)
+            return cls(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, True)
         return cls(*((1, packed_total) + tuple(t.shape[1:]) for t in (q, k, v)), q.dtype, q.device)
 
 
@@ -171,13 +173,24 @@ def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: A
     calls = [r[2] for r in rows]
     if len(set(calls)) > 1:  # a rank skipped a call: resynchronise the numbers, then say so
         comm.channel.resync(max(calls))
+    comm.agreed_seq_len = None
+    lengths = [r[4] for r in rows]  # each rank's q.shape[1] (after the error flag, epoch, call number, b)
+    if shape is not None and shape.dense:  # any length: each rank must hold the layout's part of their sum
+        comm.agreed_seq_len = sum(lengths)
+        lengths = [cp.layout.rows(comm.agreed_seq_len, r) for r in range(cp.world_size)]
     for name, sl in _field_slices():
-        ref = rows[0][2:][sl]
-        for r in range(1, cp.world_size):
+        for r in range(0 if name.endswith(".shape") else 1, cp.world_size):  # rank 0's own length too
+            ref = list(rows[0][2:][sl])
+            if name.endswith(".shape"):  # a dense rank's own length as the layout gives it
+                ref[1] = lengths[r]
             if rows[r][2:][sl] != ref:
                 got, want = _describe(name, rows[r][2:][sl]), _describe(name, ref)
+                why = ": a rank skipped or repeated a call" if name == "call number" else ""
+                if name.endswith(".shape") and comm.agreed_seq_len is not None and got[1] != want[1]:
+                    why = (f"; dim 1: rank {r}'s part of the {comm.agreed_seq_len}-token sequence the ranks' "
+                           "lengths sum to (cp.shard gives each rank its part)")
                 raise ValueError(f"rank {r}: {name} is {got}, expected {want} as on rank 0 (all CP ranks must agree)"
-                                 + (": a rank skipped or repeated a call" if name == "call number" else ""))
+                                 + why)
     return comm.agreed_epoch
 
 

@@ -178,8 +178,12 @@ class ContextParallel:
         return self.comm.shard(self.layout, x, dim)
 
     def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """All-gather the local parts back into global order (identity when simulated)."""
-        return self.comm.unshard(self.layout, x_local, dim)
+        """All-gather the local parts back into global order (identity when simulated); any length:
+        the ranks' parts may differ by the layout's uneven last chunk."""
+        seq_len = self.comm.total_rows(x_local.shape[dim])
+        cap = self.layout.max_rows(seq_len)
+        return self.comm.unshard(_SeqPlacement(self.layout, seq_len), x_local, dim,
+                                 None if cap == x_local.shape[dim] and seq_len == cap * self.world_size else cap)
 
     def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions (int64) of the local tokens of a ``seq_len``-token sequence."""
@@ -236,29 +240,33 @@ class ContextParallel:
         if packing is not None:
             return packing.attention(q, k, v, spec)
         self.validate(q, k, v, spec)
+        seq_len = self.comm.global_length(q.shape[1])  # distributed: the check's sum of the ranks' lengths
         if self.ulysses == 1:
-            return self._ring_attention(q, k, v, spec)
+            return self._ring_attention(q, k, v, spec, seq_len)
         split = HeadSplit(q.shape[2], k.shape[2], self.ulysses)
         k, v = expand_kv_heads(k, split.kv_factor), expand_kv_heads(v, split.kv_factor)
-        views = self.ulysses_comm.seq_to_heads([q, k, v], 2)  # per local Ulysses index: its heads
+        pieces = self.comm.ulysses_pieces(_SeqPlacement(self.layout, seq_len))  # uneven lengths: unequal pieces
+        views = self.ulysses_comm.seq_to_heads([q, k, v], 2, pieces)  # per local Ulysses index: its heads
         specs = _head_specs(spec, self.ulysses_comm.ranks, self.ulysses)
-        parts = [self._ring._ring_attention(*t, s) for t, s in zip(views, specs)]
-        return (self.ulysses_comm.heads_to_seq([p[0] for p in parts], 2),
-                self.ulysses_comm.lse_heads_to_seq([p[1] for p in parts], 1))
+        parts = [self._ring._ring_attention(*t, s, seq_len) for t, s in zip(views, specs)]
+        return (self.ulysses_comm.heads_to_seq([p[0] for p in parts], 2, pieces),
+                self.ulysses_comm.lse_heads_to_seq([p[1] for p in parts], 1, pieces))
 
-    def _ring_attention(self, q, k, v, spec):
+    def _ring_attention(self, q, k, v, spec, seq_len: int | None = None):
         if self.world_size == 1:  # one backend call
             return block_attention(q, k, v, get_backend(self.backend_name, q.device, q.dtype), spec)
-        return _RingAttention.apply(q, k, v, self, spec, None, False, spec.sinks)
+        return _RingAttention.apply(q, k, v, self, spec, None, False, spec.sinks, seq_len)
 
     def run(self, q: torch.Tensor, spec: AttnSpec, packing: Packing | None = None,
-            allgather: bool = False) -> RingRun:
-        """The :class:`~ringfa4.parallel.ring.RingRun` of one call (dense, or over ``packing``)."""
+            allgather: bool = False, seq_len: int | None = None) -> RingRun:
+        """The :class:`~ringfa4.parallel.ring.RingRun` of one call (dense of ``seq_len`` tokens,
+        default the group's length for q, or over ``packing``)."""
         if packing is not None:
             schedule = packing.schedule(AllGatherSchedule if allgather else PackedRingSchedule, spec.causal,
                                         spec.window)
         else:
-            schedule = ring_schedule(self.layout, self.comm.global_length(q.shape[1]), spec.causal, spec.window)
+            seq_len = self.comm.global_length(q.shape[1]) if seq_len is None else seq_len
+            schedule = ring_schedule(self.layout, seq_len, spec.causal, spec.window)
         backend = get_backend(self.backend_name, q.device, q.dtype)
         base = spec.replace(causal=False, window=(None, None), sinks=None)
         sinks = None if spec.sinks is None else spec.sinks.detach()
@@ -273,8 +281,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, spec: AttnSpec, packing: Packing | None = None,
-                allgather: bool = False, sinks: torch.Tensor | None = None):
-        run = cp.run(q, spec, packing, allgather)
+                allgather: bool = False, sinks: torch.Tensor | None = None, seq_len: int | None = None):
+        run = cp.run(q, spec, packing, allgather, seq_len)
         place, dim = (cp.layout, 1) if packing is None else (packing, 0)
         qs, ks, vs = (cp.comm.split(place, t, dim) for t in (q, k, v))
         ctx.fns = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
@@ -304,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
             dsinks = sink_grad(dout, *ctx.sink_io)  # this rank's rows (simulated: all of them)
         ctx.sink_io = None
         return (cp.comm.join(place, dqs, dim), cp.comm.join(place, dks, dim), cp.comm.join(place, dvs, dim),
-                None, None, None, None, dsinks)
+                None, None, None, None, dsinks, None)
 
 
 class Pack:
@@ -397,3 +405,20 @@ def _head_specs(spec: AttnSpec, indices: tuple[int, ...], degree: int) -> list[A
         return [spec] * len(indices)
     per = spec.sinks.shape[0] // degree
     return [spec.replace(sinks=spec.sinks[u * per:(u + 1) * per]) for u in indices]
+
+
+class _SeqPlacement:
+    """A dense layout bound to one sequence length: what the groups' unshard and Ulysses pieces
+    need of a placement (``unshard(parts, dim)`` of padded parts, ``pieces(g)``, ``ulysses``)."""
+
+    def __init__(self, layout: Layout, seq_len: int) -> None:
+        self.layout, self.seq_len, self.ulysses = layout, seq_len, layout.ulysses
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        return self.layout.shard(x, dim, rank)
+
+    def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        return self.layout.unshard(parts, dim, self.seq_len)
+
+    def pieces(self, g: int) -> list[tuple[int, int]]:
+        return self.layout.pieces(self.seq_len, g)

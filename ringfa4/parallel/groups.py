@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.spec import AttnSpec
-from .checks import CallShape, check_cu_seqlens, exchange_and_check
+from .checks import CallShape, check_cu_seqlens, exchange_and_check, gather_ints
 from .errors import Channel, is_peer_failure
 from .transport import LoopbackTransport, P2PTransport, Transport
 from .ulysses import UlyssesComm, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
@@ -66,6 +66,10 @@ class SimulatedGroup:
 
     def global_length(self, local: int) -> int:
         """The sequence length a call's tensors stand for: here they are the full sequence."""
+        return local
+
+    def total_rows(self, local: int) -> int:
+        """The full sequence's rows: the tensors here are the full sequence."""
         return local
 
     def local_rows(self, placement, total: int) -> int:
@@ -168,6 +172,7 @@ class DistributedGroup:
                                                        timeout.total_seconds())
         self.control = _control_group(self.group, self.global_ranks, timeout) if top and self._local() else None
         self.agreed_epoch = 0
+        self.agreed_seq_len: int | None = None  # the last check's sum of dense local lengths
         self.data = _data_group(self.group, self.global_ranks, timeout) if top and self._local() else None
         self.epoch = self.data[0] if self.data else 0
         self.on_new_epoch: Callable[[], None] | None = None  # renews a hybrid's sub-groups (ContextParallel)
@@ -253,8 +258,18 @@ class DistributedGroup:
         return [x]
 
     def global_length(self, local: int) -> int:
-        """The sequence length a call's shards stand for."""
+        """The sequence length a call's shards stand for: the last metadata check's sum of the
+        ranks' lengths (any length), else ``local`` x the world (a group of one: ``local``)."""
+        if self._local() and self.agreed_seq_len is not None:
+            return self.agreed_seq_len
         return local * self.world_size
+
+    def total_rows(self, local: int) -> int:
+        """The sum over ranks of ``local`` (one small all-gather)."""
+        if not self._local():
+            return local
+        call = self.channel.next_call()
+        return sum(r[0] for r in gather_ints(self, call, [local], "a length all-gather"))
 
     def local_rows(self, placement, total: int) -> int:
         """Packed tokens this rank's tensors hold."""
