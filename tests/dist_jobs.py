@@ -535,3 +535,17 @@ def uneven_case(layout, S, kw, ulysses=1, bad_rank=None):
     if dist.get_rank() == 0:
         res["full"], res["inputs"] = full, (q, k, v, do)
     return res
+
+
+def dp_ulysses_case():
+    """Two dp replicas of a CP group of 2 with Ulysses 2 (a (dp, cp) mesh of 2 x 2): each CP group
+    creates only its own subgroups; attention matches the simulated executor bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    cp = ringfa4.ContextParallel(mesh["cp"], backend="reference", ulysses=2)
+    q, k, v, do = _inputs(1, 16, 4, 2, 8, torch.float64, 3 + mesh["dp"].get_local_rank())
+    out = ringfa4.attention(*(cp.shard(t, 1) for t in (q, k, v)), cp=cp, causal=True)
+    sim = ringfa4.ContextParallel.simulated(2, backend="reference", ulysses=2)
+    want = cp.shard(ringfa4.attention(q, k, v, cp=sim, causal=True), 1)
+    return {"identical": torch.equal(out, want), "cp_rank": cp.rank}

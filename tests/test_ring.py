@@ -479,3 +479,11 @@ def test_fa4_offers_fp32_paths_only_where_they_ran(monkeypatch):
     assert Fa4Backend().fp32_block_outputs(cuda)
     q = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16)  # CPU: no state whatever the arch
     assert Fa4Backend().begin_backward(q, q, q, torch.empty(1, 2, 8), AttnSpec()) is None
+
+
+def test_gloo_dp_replicas_with_ulysses(pools):
+    """CP groups inside a (dp, cp) mesh create only their own Ulysses and ring subgroups (a
+    new_group over one CP group's ranks would wait for the other replica's ranks)."""
+    res = pools(4).run("dp_ulysses_case", timeout=60)
+    assert all(status == "ok" and value["identical"] for status, value in res), res
+    assert sorted(value["cp_rank"] for _, value in res) == [0, 0, 1, 1]

@@ -111,21 +111,13 @@ class ContextParallel:
         return datetime.timedelta(seconds=self.options.timeout_s)
 
     def _subgroups(self, renew: bool = False):
-        """(Ulysses group of my g, ring group of my u); every rank creates all, in the same order.
-        ``renew``: after a failed call, fresh groups that only their members create."""
-        U, R = self.ulysses, self.ring_size
+        """(Ulysses group of my g, ring group of my u), created by their members only (so CP groups
+        of several dp replicas never have to create each other's groups: a ``dist.new_group``
+        over one CP group's ranks would hang them); ``renew``: after a failed call, the same again."""
+        U = self.ulysses
         ranks = [dist.get_global_rank(self.group, i) for i in range(self.world_size)]
         g, u = divmod(self.rank, U)
-        if renew:
-            return new_local_group(ranks[g * U:(g + 1) * U], self.timeout), new_local_group(ranks[u::U], self.timeout)
-        mine_u = mine_r = None
-        for gg in range(R):
-            pg = dist.new_group(ranks[gg * U:(gg + 1) * U], timeout=self.timeout)
-            mine_u = pg if gg == g else mine_u
-        for uu in range(U):
-            pg = dist.new_group(ranks[uu::U], timeout=self.timeout)
-            mine_r = pg if uu == u else mine_r
-        return mine_u, mine_r
+        return new_local_group(ranks[g * U:(g + 1) * U], self.timeout), new_local_group(ranks[u::U], self.timeout)
 
     @classmethod
     def simulated(cls, world_size: int, layout: str | Layout = "zigzag", backend="auto",
