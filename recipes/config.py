@@ -21,7 +21,7 @@ from typing import Any
 
 from ringfa4.options import RingOptions
 
-__all__ = ["CheckpointConfig", "DataConfig", "FinetuneConfig", "LogConfig", "ModelConfig", "ParallelConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "FinetuneConfig", "LogConfig", "ModelConfig", "ParallelConfig", "cli",
            "TrainConfig", "load_config", "ring_options"]
 
 if sys.version_info >= (3, 11):
@@ -261,3 +261,29 @@ def ring_options(cfg: FinetuneConfig) -> RingOptions:
     except (TypeError, ValueError) as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith("[cp]") else f"[cp]: {msg}") from None
+
+
+def cli(argv: list[str] | None, doc: str, run, dry_run) -> None:
+    """A recipe's command line: ``config [--set section.key=value ...] [--dry-run] [--metrics-out F]``;
+    ``run(cfg)`` returns the per-step metrics rank 0 writes to F; the process group ends after."""
+    import argparse
+    import json
+
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--set", action="append", default=[], help="override, e.g. train.steps=10")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--metrics-out", default="")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    if args.dry_run:
+        dry_run(cfg)
+        return
+    rows = run(cfg)
+    if args.metrics_out and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(args.metrics_out, "w") as f:
+            json.dump(rows, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,11 +15,9 @@ fields the ContextParallel is built with) is in recipes/config.py.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import datetime
-import json
 import math
 import os
 import sys
@@ -30,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from config import FinetuneConfig, load_config, ring_options  # noqa: E402,F401 (load_config: the recipe's API)
+from config import FinetuneConfig, cli, load_config, ring_options  # noqa: E402,F401 (load_config: the recipe's API)
 from data import ByteTokenizer, PackedStream, jsonl_documents, passkey_document  # noqa: E402
 
 import ringfa4  # noqa: E402
@@ -455,21 +453,7 @@ def memory_estimate(mc, n: int, b: int, n_params: float, world: int, cfg: Finetu
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?")
-    ap.add_argument("--set", action="append", default=[], help="override, e.g. train.steps=10")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--metrics-out", default="")
-    args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.set)
-    if args.dry_run:
-        dry_run(cfg)
-        return
-    metrics = run(cfg)
-    if dist.get_rank() == 0 and args.metrics_out:
-        with open(args.metrics_out, "w") as f:
-            json.dump(metrics, f)
-    dist.destroy_process_group()
+    cli(argv, __doc__, run, dry_run)
 
 
 if __name__ == "__main__":

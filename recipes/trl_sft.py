@@ -16,8 +16,6 @@ the trainer plans Ulysses x ring itself (``ringfa4.hf.auto_cp``) with the ``auto
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -26,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from config import FinetuneConfig, load_config, ring_options  # noqa: E402
+from config import FinetuneConfig, cli, load_config, ring_options  # noqa: E402,F401 (load_config: the recipe's API)
 from data import passkey_document  # noqa: E402
 
 __all__ = ["byte_tokenizer", "dry_run", "main", "run", "sft_config"]
@@ -161,22 +159,7 @@ def dry_run(cfg: FinetuneConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?")
-    ap.add_argument("--set", action="append", default=[], help="override, e.g. train.steps=10")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--metrics-out", default="")
-    args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.set)
-    if args.dry_run:
-        dry_run(cfg)
-        return
-    rows = run(cfg)
-    if args.metrics_out and (not dist.is_initialized() or dist.get_rank() == 0):
-        with open(args.metrics_out, "w") as f:
-            json.dump(rows, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    cli(argv, __doc__, run, dry_run)
 
 
 if __name__ == "__main__":

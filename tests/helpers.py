@@ -75,6 +75,23 @@ def reference_grads(q, k, v, dout, **kw):
     return out.detach(), lse.detach(), dq, dk, dv
 
 
+def sink_reference_grads(q, k, v, dout, sinks, **kw):
+    """(out, lse, dq, dk, dv, dsinks) in float64 via autograd of :func:`attention64` with sinks."""
+    x = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = attention64(*x[:3], sinks=x[3], **kw)
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, x, dout.to(torch.float64)))
+
+
+def sink_attention_grads(q, k, v, dout, sinks, **kw):
+    """ringfa4.attention with ``sinks``: (out, lse, dq, dk, dv, dsinks) for ``dout``."""
+    import ringfa4
+
+    x = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = ringfa4.attention(*x[:3], sinks=x[3], return_lse=True, **kw)
+    out.backward(dout)
+    return (out.detach(), lse, *(t.grad for t in x))
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| over finite reference entries; infinite entries must match exactly
     (an lse of -inf must be -inf), else the error is inf. NaN anywhere gives inf."""

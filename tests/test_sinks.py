@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import attention64, random_cu_seqlens, random_qkv, rel_err
+from helpers import random_cu_seqlens, random_qkv, rel_err, sink_attention_grads, sink_reference_grads
 from test_packing import _data, _lengths
 
 import ringfa4
@@ -26,18 +26,7 @@ def _sinks(h, seed, scale=1.5):
     return (torch.randn(h, generator=g, dtype=torch.float64) * scale).requires_grad_()
 
 
-def _ref(q, k, v, do, sinks, **kw):
-    """float64 (out, lse, dq, dk, dv, dsinks) by autograd of helpers.attention64."""
-    x = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = attention64(*x[:3], sinks=x[3], **kw)
-    return (out.detach(), lse.detach(), *torch.autograd.grad(out, x, do.to(torch.float64)))
-
-
-def _run(q, k, v, do, sinks, **kw):
-    x = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = ringfa4.attention(*x[:3], sinks=x[3], return_lse=True, **kw)
-    out.backward(do)
-    return (out.detach(), lse, *(t.grad for t in x))
+_ref, _run = sink_reference_grads, sink_attention_grads
 
 
 def _check(got, ref, base, label):

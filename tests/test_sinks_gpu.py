@@ -5,7 +5,7 @@ dq, dk, dv and dsinks within 2x one full FA4 call's error (with the sink) + a fl
 
 import pytest
 import torch
-from helpers import attention64, random_cu_seqlens, random_qkv, rel_err
+from helpers import random_cu_seqlens, random_qkv, rel_err, sink_attention_grads, sink_reference_grads
 
 import ringfa4
 from ringfa4.kernels.sinks import sink_grad
@@ -14,18 +14,14 @@ pytestmark = pytest.mark.gpu
 NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 
-def _ref(q, k, v, do, sinks, **kw):
-    x = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = attention64(*x[:3], sinks=x[3], **kw)
-    return (out.detach(), lse.detach(), *torch.autograd.grad(out, x, do.to(torch.float64)))
+def _ref(*args, **kw):
+    return sink_reference_grads(*args, **kw)
 
 
-def _run(q, k, v, do, sinks, **kw):
-    x = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = ringfa4.attention(*x[:3], sinks=x[3], return_lse=True, **kw)
-    out.backward(do)
+def _run(*args, **kw):
+    got = sink_attention_grads(*args, **kw)
     torch.cuda.synchronize()
-    return (out.detach(), lse, *(t.grad for t in x))
+    return got
 
 
 def _inputs(S, h, h_kv, seed, b=1):

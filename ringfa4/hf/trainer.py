@@ -10,7 +10,7 @@ subclass (``class MyTrainer(ContextParallelMixin, MyBaseTrainer)``):
 
 - a ``(dp, cp)`` DeviceMesh over the world (cp inner, so a CP group shares NVLink) and a
   :class:`~ringfa4.ContextParallel` on its ``cp`` dimension (``ringfa4.hf.auto_cp``: Ulysses x ring
-  from the model's heads, when dp = 1; a ring of cp_size ranks when dp > 1);
+  from the model's heads);
 - ``attn_implementation="ringfa4"`` on the model (transformers' defaults "sdpa"/"eager" are
   replaced; any other implementation is a ``ValueError``);
 - the dataloaders shard over the dp ranks only: every CP rank of a dp group gets the same batches;
@@ -164,11 +164,7 @@ class ContextParallelMixin:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-            if world == cp_size:
-                cp = auto_cp(base.config.get_text_config(), group=mesh["cp"], layout=layout, options=options)
-            else:  # ContextParallel makes its Ulysses x ring subgroups with new_group over its own ranks only,
-                # which hangs when several dp groups do it at once: ring-only CP under dp > 1 for now
-                cp = ContextParallel(mesh["cp"], layout, options=options)
+            cp = auto_cp(base.config.get_text_config(), group=mesh["cp"], layout=layout, options=options)
             self._cp_mesh, self._cp_dp_group = mesh, mesh["dp"].get_group()
             self._cp_dp_rank = mesh["dp"].get_local_rank()
         else:

@@ -99,7 +99,7 @@ class ContextParallel:
                                                  [g * U + uu for uu in range(U)])
 
             def renew() -> None:  # after a failed call: fresh Ulysses and ring groups (the old keep its leftovers)
-                ulysses_new, ring_new = self._subgroups(renew=True)
+                ulysses_new, ring_new = self._subgroups()
                 self.ulysses_comm.rebind(ulysses_new)
                 self._ring.comm.rebind(ring_new)
 
@@ -110,10 +110,10 @@ class ContextParallel:
         """Of every collective and ring hop: ``options.timeout_s``."""
         return datetime.timedelta(seconds=self.options.timeout_s)
 
-    def _subgroups(self, renew: bool = False):
+    def _subgroups(self):
         """(Ulysses group of my g, ring group of my u), created by their members only (so CP groups
         of several dp replicas never have to create each other's groups: a ``dist.new_group``
-        over one CP group's ranks would hang them); ``renew``: after a failed call, the same again."""
+        over one CP group's ranks would hang them); after a failed call, fresh ones the same way."""
         U = self.ulysses
         ranks = [dist.get_global_rank(self.group, i) for i in range(self.world_size)]
         g, u = divmod(self.rank, U)
