@@ -85,6 +85,14 @@ class FallbackBackend:
     def backward(self, dout, q, k, v, out, lse, spec: AttnSpec):
         return self._first("backward", dout, q, k, v, out, lse, spec)
 
+    def backward_accumulate(self, dout, q, k, v, out, lse, spec: AttnSpec, grads) -> bool:
+        """The first backend's accumulating backward; False where it refuses (the caller then runs
+        ``backward`` through the whole chain)."""
+        try:
+            return self.chain[0].backward_accumulate(dout, q, k, v, out, lse, spec, grads)
+        except BackendUnsupported:
+            return False
+
     def begin_backward(self, dout, q, out, lse, spec: AttnSpec):
         """The first backend's AccumBackward, or None (a later backend of the chain, which runs
         only calls the first refuses, is not asked: it would take over every block)."""

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 __all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "KVGradLayout", "PlainBackend",
-           "allowed_band", "band_mask"]
+           "allowed_band", "band_mask", "check_grads"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -138,6 +138,23 @@ def band_mask(spec: AttnSpec, s_q: int, s_k: int, device: torch.device | str = "
     return mask
 
 
+def check_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grads = (dq_acc, dk_acc, dv_acc)`` of ``backward_accumulate``: shaped like q / k / v, of one of
+    ``dtypes``, on q's device, last-dim stride 1; else a ValueError naming the tensor."""
+    if not isinstance(grads, (tuple, list)) or len(grads) != 3:
+        raise ValueError(f"grads must be a (dq_acc, dk_acc, dv_acc) tuple, got {type(grads).__name__}")
+    for name, acc, like in (("dq_acc", grads[0], q), ("dk_acc", grads[1], k), ("dv_acc", grads[2], v)):
+        if not isinstance(acc, torch.Tensor) or tuple(acc.shape) != tuple(like.shape) or acc.dtype not in dtypes \
+                or acc.device != q.device:
+            got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}" if isinstance(acc, torch.Tensor) \
+                else type(acc).__name__
+            raise ValueError(f"{name} must be {tuple(like.shape)} of {dtypes} on {q.device}, got {got}")
+        if acc.numel() and acc.stride(-1) != 1:
+            raise ValueError(f"{name} must have last-dim stride 1, got strides {acc.stride()}")
+    return grads[0], grads[1], grads[2]
+
+
 @runtime_checkable
 class BlockBackend(Protocol):
     """A provider of block attention that returns and consumes the LSE. Every method is required
@@ -149,6 +166,13 @@ class BlockBackend(Protocol):
     backward(dout, q, k, v, out, lse, spec) -> (dq, dk, dv)
         Gradients of this block given the *global* merged ``out`` and ``lse`` of the rows (exact
         for ring steps); returned in the inputs' dtype, never accumulated into anything.
+    backward_accumulate(dout, q, k, v, out, lse, spec, grads) -> bool
+        The same block gradients ADDED into ``grads = (dq_acc, dk_acc, dv_acc)``: float32
+        accumulators shaped like q / k / v (dense ``(b, s, h, d)`` or varlen ``(total, h, d)``;
+        views with last-dim stride 1, e.g. row slices of a bigger buffer; float64 also taken by
+        the reference backend), never rounded to the inputs' dtype on the way. Returns True, or
+        False touching nothing where it cannot (the caller then uses ``backward``). Malformed
+        accumulators are a ValueError naming the tensor.
     fp32_block_outputs(device) -> bool
         Whether ring blocks on ``device`` may ask ``forward`` for fp32 outputs (a property of the
         backend and the GPU generation, e.g. FA4's fp32 forward has not run on sm100).
@@ -175,6 +199,10 @@ class BlockBackend(Protocol):
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def backward_accumulate(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
+                            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool: ...
+
     def fp32_block_outputs(self, device: torch.device) -> bool: ...
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -194,6 +222,9 @@ class PlainBackend:
 
     def fp32_block_outputs(self, device: torch.device) -> bool:
         return True
+
+    def backward_accumulate(self, dout, q, k, v, out, lse, spec: AttnSpec, grads) -> bool:
+        return False
 
     def begin_backward(self, dout, q, out, lse, spec: AttnSpec) -> None:
         return None

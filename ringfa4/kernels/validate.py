@@ -10,7 +10,7 @@ import torch
 from .sinks import check_sinks
 from .spec import AttnSpec
 
-__all__ = ["validate_block", "validate_cu_seqlens"]
+__all__ = ["known_empty_segment", "validate_block", "validate_cu_seqlens"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,6 +49,14 @@ def validate_cu_seqlens(cu: torch.Tensor, name: str, total: int, where: str = ""
     if int(host[-1]) != total:
         raise ValueError(f"{where}{name}[-1] must equal the number of tokens {total}, got {int(host[-1])}")
     _seen(cu)[key] = None
+    _seen(cu)[("empty", cu._version)] = bool((host[1:] == host[:-1]).any())
+
+
+def known_empty_segment(cu: torch.Tensor) -> bool:
+    """Whether ``cu`` is known (from :func:`validate_cu_seqlens`' host read of this version, no new
+    sync) to hold a zero-length segment; False when unknown (e.g. trusted by :func:`mark_valid`:
+    the ring never builds empty segments)."""
+    return bool(_seen(cu).get(("empty", cu._version), False))
 
 
 def mark_valid(cu: torch.Tensor, longest: int) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..sinks import apply_sinks_
-from ..spec import AttnSpec, BackendUnsupported
-from ..validate import validate_block
+from ..spec import AttnSpec, BackendUnsupported, check_grads
+from ..validate import known_empty_segment, validate_block
 
 __all__ = ["Fa4Backend", "Fa4Unsupported"]
 
@@ -72,12 +72,14 @@ def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: tor
 
 
 def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None):
-    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.fa4_forward_fp32`; varlen calls (no
-    fp32 kernel yet) run FA4's own forward and widen its output."""
+    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.fa4_forward_fp32`, varlen calls
+    through :func:`ringfa4.kernels.fa4.varlen_fwd.fa4_forward_fp32_varlen` (sm90; it raises
+    NotImplementedError on sm100, where the caller widens FA4's own forward instead)."""
     if spec.varlen:
-        o, l = _kernels()[0](q, k, v, **_common(q, spec), return_lse=True, lse=lse)[:2]
-        out.copy_(o)
-        return out, l
+        from .varlen_fwd import fa4_forward_fp32_varlen
+
+        o, l, _ = fa4_forward_fp32_varlen(q, k, v, spec, out=out, lse=lse)
+        return o, l
     from .fp32_forward import fa4_forward_fp32
 
     return fa4_forward_fp32(q, k, v, causal=spec.causal, softmax_scale=spec.scale(q.shape[-1]),
@@ -192,6 +194,58 @@ class Fa4Backend:
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
+
+    @torch.compiler.disable
+    def backward_accumulate(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
+                            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+        """:meth:`backward`'s block gradients added into ``grads = (dq_acc, dk_acc, dv_acc)`` float32
+        (like q / k / v; views with last-dim stride 1), never rounded to bf16: varlen blocks through
+        :mod:`.varlen_bwd` (FA4's varlen backward into padded fp32 accumulators, gathered once),
+        dense blocks through :mod:`.bwd_accum` (one preprocess, the main kernel, dq gathered in
+        fp32). ``out`` / ``dout`` may be fp32 (cast to q's dtype for FA4's preprocess, as in
+        :meth:`backward`); ``lse`` any layout of the right shape. Returns False, touching nothing,
+        where it cannot: off sm90 (sm100 has not run these: see the class doc), deterministic
+        specs, dtypes / head dims it lacks, a cu_seqlens_q known (without a sync) to hold an empty
+        segment (FA4's varlen backward crashes on one)."""
+        validate_block(q, k, v, spec)
+        o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+        lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
+        for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
+            if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
+                raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
+                                 f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        dq_acc, dk_acc, dv_acc = check_grads(grads, q, k, v)
+        if spec.deterministic or q.device.type != "cuda" or q.dtype not in _DTYPES or not self._ran_here():
+            return False
+        try:
+            _check_inputs(q, spec)
+        except Fa4Unsupported:
+            return False
+        from .bwd_accum import _arch
+
+        arch, d = _arch(), q.shape[-1]
+        if spec.varlen:
+            from . import varlen_bwd
+
+            if not varlen_bwd.can_implement(arch, q.dtype, d, v.shape[-1]) or known_empty_segment(spec.cu_seqlens_q):
+                return False
+            try:
+                varlen_bwd.accumulate_varlen(dout, q, k, v, out, lse, spec, (dq_acc, dk_acc, dv_acc))
+            except (ValueError, AssertionError):  # raised before anything was added
+                return False
+            return True
+        from . import bwd_accum as acc
+
+        if arch // 10 != 9 or not acc.can_implement(arch, q.dtype, d, v.shape[-1]):
+            return False
+        try:
+            state = acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(d), softcap=float(spec.softcap))
+        except (ValueError, AssertionError):
+            return False
+        acc.accumulate(state, k, v, dk_acc, dv_acc, causal=spec.causal, window=(spec.window_left, spec.window_right))
+        dq_acc.add_(acc.finish(state, torch.float32))
+        return True
 
     def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether :meth:`forward_merge` runs for dense blocks of these inputs (sm90, 16-bit,

@@ -69,6 +69,7 @@ class AccumKey:
     broadcast: tuple  # stride-0 dims of q, k, v, dout
     single_q_block: bool  # as FA4's key: guards TVM stride specialization of one-tile dims
     single_k_block: bool
+    varlen: bool = False  # packed documents with cu_seqlens (kernels/fa4/varlen_bwd.py)
 
 
 def _rup(x: int, m: int) -> int:

@@ -63,6 +63,7 @@ class Fp32Key:
     intra_wg_overlap: bool  # sm90 only
     broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
     merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4/epilogue_merge.py)
+    varlen: bool = False  # packed q / k / v with cu_seqlens (kernels/fa4/varlen_fwd.py; sm90)
 
 
 # Tried on the H200 and dropped (benchmarks/fa4_merge_epilogue.py, 64k ring block shapes; the code
@@ -176,13 +177,13 @@ class _Launch:
     max_seqlen_q: int
 
 
-def _kernel_args(arch: int, tensors: tuple, launch: _Launch) -> list:
-    """The positional arguments after the kernel object, as FA4's interface passes them (dense, no
-    varlen / paged KV / sink / block sparsity / aux tensors; the env stream stays implicit);
-    ``tensors`` = (q, k, v, o, lse)."""
+def _kernel_args(arch: int, tensors: tuple, launch: _Launch, cu: tuple = (None, None)) -> list:
+    """The positional arguments after the kernel object, as FA4's interface passes them (no paged KV
+    / seqused / sink / block sparsity / aux tensors / varlen scheduler hints; the env stream stays
+    implicit); ``tensors`` = (q, k, v, o, lse), ``cu`` = (cu_seqlens_q, cu_seqlens_k) or Nones (dense)."""
     from flash_attn.cute.utils import AuxData
 
-    args = [*tensors, launch.softmax_scale, None, None, None, None, None, launch.window_left, launch.window_right,
+    args = [*tensors, launch.softmax_scale, *cu, None, None, None, launch.window_left, launch.window_right,
             None]
     if arch // 10 in (10, 11):
         return args + [None, None, AuxData(None, None)] + [None] * 7 + [launch.max_seqlen_q]
@@ -201,7 +202,8 @@ class Compiled(NamedTuple):
 _CACHE: dict[Fp32Key, Compiled] = {}
 
 
-def _compile(key: Fp32Key, tensors: tuple, launch: _Launch, sm90_class: Callable[[], type]) -> Compiled:
+def _compile(key: Fp32Key, tensors: tuple, launch: _Launch, sm90_class: Callable[[], type],
+             cu: tuple = (None, None)) -> Compiled:
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
@@ -209,7 +211,8 @@ def _compile(key: Fp32Key, tensors: tuple, launch: _Launch, sm90_class: Callable
     q, k, v, o, lse = tensors
     cute_tensors = (*(to_cute_tensor(t) for t in (q, k, v)), to_cute_tensor(o, assumed_align=16),
                     to_cute_tensor(lse, assumed_align=4))
-    args = _kernel_args(key.arch, cute_tensors, launch)
+    cute_cu = tuple(None if t is None else to_cute_tensor(t, assumed_align=4, leading_dim=0) for t in cu)
+    args = _kernel_args(key.arch, cute_tensors, launch, cute_cu)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return Compiled(key, kernel, cute.compile(kernel, *args, stream, options="--enable-tvm-ffi"))
 
