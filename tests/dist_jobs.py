@@ -161,10 +161,13 @@ def auto_plan(domain, heads, kv):
             "err": (full - ref).abs().max().item()}
 
 
-def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2):
+def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2, tile=1):
     """Packed documents through the distributed ring; full results and bit identity with the
-    simulated executor."""
+    simulated executor (``tile``: the layout's, so the balanced placement cuts documents)."""
     from helpers import random_cu_seqlens
+
+    if tile > 1:
+        layout = ringfa4.parallel.make_layout(layout, dist.get_world_size() // ulysses, tile=tile)
 
     cu = random_cu_seqlens(lengths)
     T = sum(lengths)

@@ -87,7 +87,7 @@ BAD = [
     ("ulysses_invalid", r"^rank 1: ulysses degree must divide the CP world size 3, got 2$"),
     ("cu_malformed", r"^rank 1: cu_seqlens must .*non-decreasing.*index 2"),
     ("cu_differs", r"^rank 2: cu_seqlens\[2\] is 10, expected 9 as on rank 0"),
-    ("pack_mode", r"^rank 0: mode must be 'auto', 'ring' or 'allgather', got 'bogus'"),
+    ("pack_mode", r"^rank 0: mode must be one of 'auto', 'balanced', 'ring', 'allgather', got 'bogus'"),
 ]
 
 

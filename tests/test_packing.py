@@ -201,16 +201,25 @@ def test_gloo_packed_bad_input(pools, kind, message):
 def test_auto_mode_rule():
     from ringfa4.parallel.allgather import prefer_allgather
 
-    short = Packing([0] + [64 * (i + 1) for i in range(64)], make_layout("zigzag", 8))  # 64 docs of 64
+    short_cu = [0] + [64 * (i + 1) for i in range(64)]  # 64 docs of 64
+    short = Packing(short_cu, make_layout("zigzag", 8))
     long = Packing([0, 65536], make_layout("zigzag", 8))
     assert prefer_allgather(short, 32, 8) and not prefer_allgather(long, 32, 8)
-    bench = Packing([0, 12000, 20000, 36000, 44000, 52000, 60000, 65536], make_layout("zigzag", 8))
+    bench_cu = [0, 12000, 20000, 36000, 44000, 52000, 60000, 65536]
+    bench = Packing(bench_cu, make_layout("zigzag", 8))
     assert prefer_allgather(bench, 32, 8)  # l ~ 10k < 4096 x 8: varlen_sim measured all-gather ahead
     cp = ringfa4.ContextParallel.simulated(8, backend="reference")
-    assert cp.pack(torch.tensor(short.cu, dtype=torch.int32)).uses_allgather(32, 8)
-    assert not cp.pack(torch.tensor(short.cu, dtype=torch.int32), mode="ring").uses_allgather(32, 8)
+    # balanced (the default): 64 short documents all stay whole, nothing travels: the ring, no hop
+    auto = cp.pack(torch.tensor(short_cu, dtype=torch.int32))
+    assert auto.packing.balanced and not auto.packing.split_docs() and not auto.uses_allgather(32, 8)
+    assert cp.pack(torch.tensor(short_cu, dtype=torch.int32), mode="allgather").uses_allgather(32, 8)
+    assert not cp.pack(torch.tensor(short_cu, dtype=torch.int32), mode="ring").uses_allgather(32, 8)
+    # the rule over the split documents only: the 7 long ones of the benchmark pack are split
+    balanced = cp.pack(torch.tensor(bench_cu, dtype=torch.int32), mode="balanced")
+    assert balanced.packing.split_docs() and balanced.uses_allgather(32, 8)
+    assert not cp.pack(torch.tensor([0, 65536], dtype=torch.int32)).uses_allgather(32, 8)
     with pytest.raises(ValueError, match="mode must be"):
-        cp.pack(torch.tensor(short.cu, dtype=torch.int32), mode="fast")
+        cp.pack(torch.tensor(short_cu, dtype=torch.int32), mode="fast")
 
 
 @pytest.mark.parametrize("ulysses,h_kv,mode,kw", [(2, 2, "ring", {"causal": True}), (4, 1, "ring", {"causal": True}),
@@ -232,7 +241,7 @@ def test_gloo_packed_ulysses_and_hybrid(pools, ulysses, h_kv, mode, kw):
 
 
 @pytest.mark.parametrize("P,U", [(4, 2), (4, 4), (8, 2), (8, 8)])
-@pytest.mark.parametrize("mode", ["ring", "allgather"])
+@pytest.mark.parametrize("mode", ["ring", "allgather", "balanced"])
 @pytest.mark.parametrize("h_kv", [1, 2, 8])
 def test_simulated_packed_hybrid(P, U, mode, h_kv):
     lengths = _lengths(P * U + h_kv, P)

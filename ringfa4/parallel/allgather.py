@@ -27,6 +27,7 @@ from .blocks import band_block, global_band
 from .memo import cached_method
 from .packing import Packing
 from .ring import calls
+from .ring.buffers import travelling
 from .ring.forward import ExactLse
 from .varlen import PackSchedule, VarlenCall
 
@@ -34,37 +35,57 @@ __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "pref
 
 
 def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
-    """The documented rule of the module docstring."""
-    if pack.total == 0:
+    """The documented rule of the module docstring, over the documents whose K/V travel (a
+    balanced pack's split documents; all of them per document). Nothing travels: the ring, which
+    then makes no hop."""
+    lengths = [pack.doc_lengths[i] for i in pack.split_docs()]
+    if sum(lengths) == 0:
         return False
-    mean_len = sum(n * n for n in pack.doc_lengths) / pack.total
+    mean_len = sum(n * n for n in lengths) / sum(lengths)
     P = pack.world_size
     return mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P)
 
 
 @dataclass(frozen=True, eq=False)
 class AllGatherSchedule(PackSchedule):
-    """Blocks of ``rank``'s q against whole documents of the gathered K/V (global packed order)."""
+    """Blocks of ``rank``'s q against whole documents: the travelling (split) documents from the
+    gathered K/V, kept in global order of their tokens; a balanced pack's whole documents from the
+    rank's own K/V (``home`` calls)."""
+
+    @cached_method
+    def _gathered_starts(self) -> dict[int, int]:
+        """Per travelling document, where its first token sits in the gathered global order."""
+        out, at = {}, 0
+        for doc in self.pack.split_docs():
+            out[doc] = at
+            at += self.pack.doc_lengths[doc]
+        return out
 
     @cached_method
     def global_rows(self, device: torch.device) -> torch.Tensor:
-        """For each global token, its row in the rank-major gathered buffer (rank * cap + local)."""
-        idx = torch.empty(self.pack.total, dtype=torch.long)
-        cap = self.max_rows
+        """For each travelling token in global order, its row in the rank-major gathered buffer
+        (rank * cap + local)."""
+        starts, cap = self._gathered_starts(), self.max_travel_rows
+        idx = torch.empty(sum(self.pack.doc_lengths[d] for d in starts), dtype=torch.long)
         for r in range(self.world_size):
-            idx[self.pack.indices(r)] = torch.arange(self.pack.rows(r)) + r * cap
+            for s in self.pack.segments(r):
+                if s.travels:
+                    at = starts[s.doc] + s.pos
+                    idx[at:at + s.length] = torch.arange(s.local, s.local + s.length) + r * cap
         return idx.to(device)
 
     @cached_method
     def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
         lo, hi = global_band(self.causal, self.window)
+        starts = self._gathered_starts()
         groups: dict[tuple, list] = {}
         for s in self.pack.segments(rank):
-            doc = (self.pack.cu[s.doc], 0, self.pack.doc_lengths[s.doc])
+            home = not s.travels
+            doc = ((s.local if home else starts[s.doc]), 0, self.pack.doc_lengths[s.doc])
             b = band_block((s.local, s.pos, s.length), doc, lo, hi)
             if b is not None:
-                groups.setdefault((s.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
-        return tuple(VarlenCall(tuple(sorted(p)), key[1], key[2]) for key, p in sorted(groups.items(), key=str))
+                groups.setdefault((s.part, b.causal, b.window, home), []).append((b.q0, b.q1, b.k0, b.k1))
+        return tuple(VarlenCall(tuple(sorted(p)), key[1], key[2], key[3]) for key, p in sorted(groups.items(), key=str))
 
 
 def _layout(k, v, cap):
@@ -81,9 +102,10 @@ def _flat(k, v, cap, dtype=None):
 
 
 def _gathered_kv(run, ks, vs):
-    """Per local rank: (k, v) of all tokens in global packed order."""
-    sched, cap = run.schedule, run.schedule.max_rows
+    """Per local rank: (k, v) of all travelling tokens in global packed order."""
+    sched, cap = run.schedule, run.schedule.max_travel_rows
     shapes = _layout(ks[0], vs[0], cap)
+    ks, vs = travelling(run, ks, vs)
     gathered = run.transport.all_gather([_flat(k, v, cap) for k, v in zip(ks, vs)])
     out = []
     for g in gathered:
@@ -108,7 +130,7 @@ def allgather_forward(run, qs, ks, vs):
         scratch = (torch.empty_like(acc, dtype=acc.dtype if fp32_parts else q.dtype), torch.empty_like(lse))
         exact = ExactLse([lse])
         for call in run.schedule.blocks(r):
-            o, l = calls.forward(run.backend, call, q, *kv[i], run.spec, *scratch)
+            o, l = calls.forward(run.backend, call, q, *((ks[i], vs[i]) if call.home else kv[i]), run.spec, *scratch)
             calls.merge(call, acc, lse, o, l, run.options.merge_kernel)
             exact.add(0, call, l)
         exact.finish()
@@ -120,20 +142,25 @@ def allgather_forward(run, qs, ks, vs):
 
 
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
-    """Same contract as :func:`ring_backward`: dK/dV summed over ranks by one reduce-scatter."""
-    sched, cap = run.schedule, run.schedule.max_rows
+    """Same contract as :func:`ring_backward`: the travelling dK/dV summed over ranks by one
+    reduce-scatter; a balanced pack's whole documents' dK/dV stay home."""
+    sched, cap = run.schedule, run.schedule.max_travel_rows
     kv = _gathered_kv(run, ks, vs)
-    dqs, fulls = [], []
+    dqs, fulls, homes = [], [], []
     for i, r in enumerate(run.ranks):
         acc = torch.float64 if qs[i].dtype == torch.float64 else torch.float32
         dq = torch.zeros(qs[i].shape, dtype=acc, device=qs[i].device)
         dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
+        home = None if sched.travel_rows(r) == sched.rows(r) else (
+            torch.zeros(ks[i].shape, dtype=acc, device=dq.device), torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
         for call in sched.blocks(r):
-            g = calls.backward(run.backend, call, (douts[i], qs[i], *kv[i], outs[i], lses[i]), run.spec)
+            held, dst = ((ks[i], vs[i]), home) if call.home else (kv[i], (dk, dv))
+            g = calls.backward(run.backend, call, (douts[i], qs[i], *held, outs[i], lses[i]), run.spec)
             call.add_q(dq, g[0])
-            call.add_k(dk, g[1])
-            call.add_k(dv, g[2])
+            call.add_k(dst[0], g[1])
+            call.add_k(dst[1], g[2])
+        homes.append(home)
         idx = sched.global_rows(dq.device)  # back to rank-major rows, one [dk | dv] block per owner
         dk_rm = dk.new_zeros((sched.world_size * cap,) + tuple(dk.shape[1:])).index_copy_(0, idx, dk)
         dv_rm = dv.new_zeros((sched.world_size * cap,) + tuple(dv.shape[1:])).index_copy_(0, idx, dv)
@@ -143,7 +170,12 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     dks, dvs = [], []
     for i, r in enumerate(run.ranks):
         ks_, vs_, kn, _ = _layout(ks[i], vs[i], cap)
-        n = sched.rows(r)
-        dks.append(mine[i][:kn].view(ks_)[:n].to(ks[i].dtype))
-        dvs.append(mine[i][kn:].view(vs_)[:n].to(vs[i].dtype))
+        n = sched.travel_rows(r)
+        dk, dv = mine[i][:kn].view(ks_)[:n], mine[i][kn:].view(vs_)[:n]
+        if homes[i] is not None:  # the travelled dK/dV added to what stayed home
+            homes[i][0][:n] += dk
+            homes[i][1][:n] += dv
+            dk, dv = homes[i]
+        dks.append(dk.to(ks[i].dtype))
+        dvs.append(dv.to(vs[i].dtype))
     return dqs, dks, dvs

@@ -41,6 +41,7 @@ class Block:
     # slice through these and make the kernel calls themselves --
     token_dim: ClassVar[int] = 1
     q_is_view: ClassVar[bool] = True  # q_rows / lse_rows are views: results land in place
+    home: ClassVar[bool] = False  # its K/V rows travel (dense: every row does)
 
     def covers(self, rows: int) -> bool:
         """All ``rows`` local query rows, as one slice (the first block may be copied, not merged)."""

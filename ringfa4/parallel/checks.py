@@ -25,7 +25,7 @@ _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64:
 _OPTION_FIELDS = tuple(f"options.{n}" for n in RingOptions.field_names())
 _DEVICES = ("cpu", "cuda", "meta", "xpu", "mps")
 _FIELDS = ("call number", "q.shape", "k.shape", "v.shape", "dtype", "device type", "causal", "window", "softcap",
-           "softmax_scale", "layout", "ulysses degree", "packing (cu_seqlens fingerprint)") + _OPTION_FIELDS
+           "softmax_scale", "layout", "ulysses degree", "packing (cu_seqlens and mode fingerprint)") + _OPTION_FIELDS
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,9 @@ from .transport import LoopbackTransport
 from .ulysses import HeadSplit, expand_kv_heads
 from .varlen import PackedRingSchedule
 
-__all__ = ["ContextParallel", "Pack"]
+__all__ = ["PACK_MODES", "ContextParallel", "Pack"]
+
+PACK_MODES = ("auto", "balanced", "ring", "allgather")
 
 
 class ContextParallel:
@@ -183,17 +185,25 @@ class ContextParallel:
 
     # -- packed documents ----------------------------------------------------------------------
     def pack(self, cu_seqlens, mode: str = "auto") -> Pack:
-        """The layout applied inside every document of a packed batch: ``cu_seqlens`` are the
-        batch's global int32 document boundaries (any lengths, zero allowed). ``mode``: "ring"
-        (K/V hops), "allgather" (one all-gather of K/V: packs of many short documents) or "auto"
-        (the rule of :mod:`ringfa4.parallel.allgather`)."""
+        """The placement of a packed batch's documents: ``cu_seqlens`` are the batch's global
+        int32 document boundaries (any lengths, zero allowed). ``mode``:
+
+        - "balanced": the cost-balanced placement (:mod:`ringfa4.parallel.dispatch`): short
+          documents whole on one rank, long ones in tile-aligned pieces on every rank; only the
+          split documents' K/V move, through ring hops or one all-gather by the rule of
+          :func:`~ringfa4.parallel.allgather.prefer_allgather` applied to the split documents;
+        - "auto" (default): "balanced" (the solver itself falls back to splitting every document
+          where that balances best, which is the per-document placement);
+        - "ring" / "allgather": the layout inside every document, every token's K/V moving by ring
+          hops / one all-gather (kept for comparison and for the layout's own chunking).
+        ``pack.describe()`` prints the placement and the balance reached."""
         error, packing = None, None
         try:
-            if mode not in ("auto", "ring", "allgather"):
-                raise ValueError(f"mode must be 'auto', 'ring' or 'allgather', got {mode!r}")
+            if mode not in PACK_MODES:
+                raise ValueError(f"mode must be one of {', '.join(map(repr, PACK_MODES))}, got {mode!r}")
             if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
                 raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-            packing = Packing(cu_seqlens, self.ring_layout)
+            packing = Packing(cu_seqlens, self.ring_layout, balanced=mode in ("auto", "balanced"))
         except ValueError as exc:
             error = f"{self.comm.where()}{exc}"
         if not self.is_simulated:  # every rank's cu_seqlens compared: the same ValueError everywhere
@@ -316,18 +326,22 @@ class Pack:
         self.placement = packing if cp.ulysses == 1 else HybridPacking(packing, cp.ulysses)
 
     def uses_allgather(self, num_heads: int, num_kv_heads: int) -> bool:
-        """Whether attention runs in all-gather-KV mode (``mode``, or the auto rule)."""
-        if self.mode != "auto":
+        """Whether the travelling K/V move by one all-gather (``mode``, or the rule for balanced)."""
+        if self.mode in ("ring", "allgather"):
             return self.mode == "allgather"
         return prefer_allgather(self.packing, num_heads, num_kv_heads)
+
+    def describe(self, num_kv_heads: int | None = None, head_dim: int | None = None) -> str:
+        """The placement, the balance reached and the bytes a hop moves (see :meth:`Packing.describe`)."""
+        return self.packing.describe(num_kv_heads, head_dim)
 
     def __repr__(self) -> str:
         return f"Pack({self.packing!r})"
 
     @property
     def fingerprint(self) -> int:
-        """A 62-bit fingerprint of the pack's cu_seqlens (the cross-rank check compares it)."""
-        return hash(self.packing.cu) & ((1 << 62) - 1)
+        """A 62-bit fingerprint of the pack's cu_seqlens and mode (the cross-rank check compares it)."""
+        return hash((self.packing.cu, PACK_MODES.index(self.mode))) & ((1 << 62) - 1)
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return self.cp.comm.shard(self.placement, x, dim)

@@ -292,7 +292,7 @@ class DistributedGroup:
             exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch)
         except ValueError as exc:
             self._renew()
-            if cu is not None and "packing (cu_seqlens fingerprint)" in str(exc):
+            if cu is not None and "packing (cu_seqlens and mode fingerprint)" in str(exc):
                 check_cu_seqlens(self, list(cu), None)
             raise
         self._renew()

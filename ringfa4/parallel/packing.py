@@ -1,11 +1,21 @@
-"""Packed documents under CP: the layout applied inside every document.
+"""Packed documents under CP: which rank holds which tokens of every document.
 
 A packed batch is ``(total, h, d)`` with global int32 ``cu_seqlens`` (documents of any length,
-zero allowed). Each document is cut into the layout's chunks (zigzag: 2P, rank r holds chunks r
-and 2P-1-r; contiguous: P) whose lengths differ by at most one token - no padding. A rank's local
-tokens are *part-major*: first its first chunk of every document (in document order), then its
-second chunk of every document. Every (q part, kv part) pair of a ring step then tiles contiguous
-local ranges, so one varlen call covers all documents.
+zero allowed). Two placements:
+
+- **balanced** (``cp.pack``'s default; :mod:`ringfa4.parallel.dispatch`): documents short enough
+  stay whole on one rank, longer ones are cut into 2P tile-aligned pieces, two a rank, so that
+  every rank holds about the same tokens and causal FLOPs. Only the split documents' tokens
+  *travel* (ring hops or the all-gather);
+- **per document** (modes "ring" / "allgather"): every document cut into the layout's chunks
+  (zigzag: 2P, rank r holds chunks r and 2P-1-r; contiguous: P) whose lengths differ by at most
+  one token; every token travels.
+
+A rank's local tokens are *part-major*: first its first piece of every travelling document (in
+document order), then its second piece of every one, then its whole documents (in document
+order). The travelling tokens are a prefix of the local rows (``travel_rows``), and every
+(q part, kv part) pair of a ring step tiles contiguous local ranges, so one varlen call covers
+all documents.
 
     pack = cp.pack(cu_seqlens)                  # or cp.pack_from_position_ids(position_ids)
     x_local = pack.shard(x, dim=0); pos = pack.positions(); x = pack.unshard(x_local, dim=0)
@@ -17,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dispatch import DocPlacement, balance_documents, piece_bounds, piece_pairs
 from .layouts import Layout
 from .memo import cached_method
 
@@ -80,8 +91,8 @@ def _unshard(placement, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Segment:
     """A run of a rank's local tokens: ``local`` start, ``doc`` index, ``pos`` (first token's
-    position in the document), ``length``, ``part`` (which of the rank's chunks), ``start``
-    (global token index)."""
+    position in the document), ``length``, ``part`` (which of the rank's pieces: 0, 1, ...; a
+    whole document ``WHOLE``), ``start`` (global token index)."""
 
     local: int
     doc: int
@@ -90,20 +101,43 @@ class Segment:
     part: int
     start: int
 
+    WHOLE = 1 << 20
+
+    @property
+    def travels(self) -> bool:
+        """Whether this run's K/V leave the rank (a piece of a split document)."""
+        return self.part != Segment.WHOLE
+
 
 class Packing:
-    """The layout inside each document of a packed batch (see module docstring)."""
+    """The placement of a packed batch's documents on the ring's ranks (see module docstring).
 
-    def __init__(self, cu_seqlens, layout: Layout) -> None:
+    ``balanced``: the cost-balanced placement (:func:`~ringfa4.parallel.dispatch.balance_documents`,
+    pieces multiples of ``layout.tile``); else the layout's chunks inside every document."""
+
+    def __init__(self, cu_seqlens, layout: Layout, balanced: bool = False) -> None:
         self.cu = _parse_cu_seqlens(cu_seqlens)
         self.layout = layout
         self.world_size = layout.world_size
         self.total = self.cu[-1]
         self.doc_lengths = tuple(b - a for a, b in zip(self.cu, self.cu[1:]))
+        self.placement: DocPlacement | None = (
+            balance_documents(self.doc_lengths, self.world_size, layout.tile) if balanced else None)
         self._schedules: dict = {}
 
     def __repr__(self) -> str:
-        return f"Packing({len(self.doc_lengths)} docs, {self.total} tokens, {self.layout.name} over {self.world_size})"
+        how = "balanced" if self.placement is not None else self.layout.name
+        return f"Packing({len(self.doc_lengths)} docs, {self.total} tokens, {how} over {self.world_size})"
+
+    @property
+    def balanced(self) -> bool:
+        return self.placement is not None
+
+    def split_docs(self) -> tuple[int, ...]:
+        """Indices of the documents whose tokens travel (every one without the balanced placement)."""
+        if self.placement is None:
+            return tuple(range(len(self.doc_lengths)))
+        return self.placement.split
 
     def schedule(self, kind: type, causal: bool, window: tuple):
         """One schedule object per (kind, mask) for the life of this packing, so its calls and their
@@ -115,25 +149,69 @@ class Packing:
 
     @cached_method
     def segments(self, rank: int) -> tuple[Segment, ...]:
-        """Local token runs of ``rank`` in local (part-major) order; empty chunks omitted."""
-        chunks = self.layout.chunks(rank)
-        n = self.layout.multiple
+        """Local token runs of ``rank`` in local (part-major) order; empty pieces omitted."""
         out, local = [], 0
-        for part, c in enumerate(chunks):
-            for doc, (start, length) in enumerate(zip(self.cu, self.doc_lengths)):
-                pos, size = _chunk_bounds(length, n)[c]
-                if size:
-                    out.append(Segment(local, doc, pos, size, part, start + pos))
-                    local += size
+        for part, doc, pos, size in self._runs(rank):
+            if size:
+                out.append(Segment(local, doc, pos, size, part, self.cu[doc] + pos))
+                local += size
         return tuple(out)
+
+    def _runs(self, rank: int):
+        """(part, doc, pos, size) in local order."""
+        if self.placement is None:
+            n = self.layout.multiple
+            for part, c in enumerate(self.layout.chunks(rank)):
+                for doc, length in enumerate(self.doc_lengths):
+                    yield (part, doc, *_chunk_bounds(length, n)[c])
+            return
+        pl, P = self.placement, self.world_size
+        split = pl.split
+        for part in range(2):
+            for doc in split:
+                yield (part, doc, *piece_bounds(self.doc_lengths[doc], 2 * P, pl.tile)[pl.pieces(doc, rank)[part]])
+        for doc, owner in enumerate(pl.owner):
+            if owner == rank:
+                yield Segment.WHOLE, doc, 0, self.doc_lengths[doc]
 
     @cached_method
     def rows(self, rank: int) -> int:
         return sum(s.length for s in self.segments(rank))
 
+    @cached_method
+    def travel_rows(self, rank: int) -> int:
+        """Local rows whose K/V travel: a prefix of the local order (all of them per document)."""
+        return sum(s.length for s in self.segments(rank) if s.travels)
+
     @property
     def max_rows(self) -> int:
         return max(self.rows(r) for r in range(self.world_size))
+
+    @property
+    def max_travel_rows(self) -> int:
+        return max(self.travel_rows(r) for r in range(self.world_size))
+
+    def describe(self, num_kv_heads: int | None = None, head_dim: int | None = None, itemsize: int = 2) -> str:
+        """The placement and the balance reached: per rank tokens, causal pairs, whole / split
+        documents; max / mean tokens and FLOPs; rows (and, given the K/V heads and head dim, bytes)
+        each ring hop moves."""
+        P, docs = self.world_size, len(self.doc_lengths)
+        split = self.split_docs()
+        toks = [self.rows(r) for r in range(P)]
+        pairs = [self.work(r) for r in range(P)]
+        lines = [f"{self!r}: {len(split)} of {docs} documents split, {docs - len(split)} whole"]
+        for r in range(P):
+            whole = sum(1 for s in self.segments(r) if not s.travels)
+            lines.append(f"  rank {r}: {toks[r]} tokens ({self.travel_rows(r)} travel), {pairs[r]} causal pairs, "
+                         f"{whole} whole documents")
+        ratio = lambda xs: max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0  # noqa: E731
+        lines.append(f"  balance (max / mean): tokens {ratio(toks):.3f}, FLOPs {ratio(pairs):.3f}")
+        hop = self.max_travel_rows
+        per_hop = f"{hop} rows a hop" if hop and P > 1 else "no hop (nothing travels)"
+        if hop and P > 1 and num_kv_heads and head_dim:
+            per_hop += f", {2 * hop * num_kv_heads * head_dim * itemsize / 2**20:.2f} MiB of K/V a hop"
+        lines.append(f"  {per_hop}")
+        return "\n".join(lines)
 
     @cached_method
     def _indices(self, rank: int, device) -> torch.Tensor:
@@ -177,7 +255,7 @@ class Packing:
         total = 0
         for s in self.segments(rank):
             if causal:  # rows pos..pos+len-1 see pos+1 .. pos+len keys
-                total += s.length * s.pos + s.length * (s.length + 1) // 2
+                total += piece_pairs(s.pos, s.length)
             else:
                 total += s.length * self.doc_lengths[s.doc]
         return total

@@ -1,5 +1,9 @@
 """Ring steps over packed documents: per (rank, step), the varlen calls of all documents.
 
+At step 0 a rank meets its own K/V: its pieces of split documents and its whole documents (one
+``home`` call, computed while the first hop is in flight); at later steps only the travelling
+pieces of the source rank, so a pack whose documents all stay whole runs one step and no hop.
+
 For every document, each (q segment, kv segment) pair of the step is trimmed by
 :func:`band_block` under the global mask in document coordinates; blocks with the same FA settings
 and the same (q part, kv part) become one varlen call. Thanks to the part-major local order their
@@ -18,18 +22,20 @@ import torch
 from ..kernels.validate import mark_valid
 from .blocks import band_block, copy_unless_there, global_band
 from .memo import cached_method
-from .packing import Packing
+from .packing import Packing, Segment
 
 __all__ = ["PackSchedule", "PackedRingSchedule", "VarlenCall"]
 
 
 @dataclass(frozen=True)
 class VarlenCall:
-    """One varlen backend call: ``pairs`` of (q0, q1, k0, k1) local row ranges, all nonempty."""
+    """One varlen backend call: ``pairs`` of (q0, q1, k0, k1) local row ranges, all nonempty;
+    ``home``: the rank's whole documents against its own K/V (rows that never travel)."""
 
     pairs: tuple[tuple[int, int, int, int], ...]
     causal: bool
     window: tuple[int | None, int | None]
+    home: bool = False
 
     @functools.cached_property
     def q_contiguous(self) -> bool:
@@ -130,6 +136,13 @@ class PackSchedule:
     def max_rows(self) -> int:
         return self.pack.max_rows
 
+    def travel_rows(self, rank: int) -> int:
+        return self.pack.travel_rows(rank)
+
+    @property
+    def max_travel_rows(self) -> int:
+        return self.pack.max_travel_rows
+
 
 @dataclass(frozen=True, eq=False)
 class PackedRingSchedule(PackSchedule):
@@ -154,4 +167,5 @@ class PackedRingSchedule(PackSchedule):
                 b = band_block((qs.local, qs.pos, qs.length), (ks.local, ks.pos, ks.length), lo, hi)
                 if b is not None:
                     groups.setdefault((qs.part, ks.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
-        return tuple(VarlenCall(tuple(sorted(p)), key[2], key[3]) for key, p in sorted(groups.items(), key=str))
+        return tuple(VarlenCall(tuple(sorted(p)), key[2], key[3], key[0] == Segment.WHOLE)
+                     for key, p in sorted(groups.items(), key=str))

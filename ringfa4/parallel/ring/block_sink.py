@@ -6,15 +6,16 @@ import torch
 
 from . import calls
 from .buffers import KVBuffers
-from .run import RingRun, acc_dtype, cap_of
+from .run import RingRun, acc_dtype, cap_of, row_dim
 
 __all__ = ["BlockGradSink"]
 
 
 class BlockGradSink:
     """Each block's gradients come back in the inputs' dtype; dq adds into fp32, dK/dV into the
-    travelling buffer (fp32, or k's dtype on a 16-bit wire) once the hop has arrived. One group,
-    not in place (a :class:`~.protocols.GradSink`)."""
+    travelling buffer (fp32, or k's dtype on a 16-bit wire) once the hop has arrived, or, for the
+    blocks of rows that never travel (``blk.home``: a balanced pack's whole documents), into an
+    fp32 accumulator that stays home. One group, not in place (a :class:`~.protocols.GradSink`)."""
 
     groups, in_place = 1, False
 
@@ -24,6 +25,9 @@ class BlockGradSink:
         wire = acc if run.options.dkv_wire_fp32 else ks[0].dtype
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)
         self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+        sched = run.schedule
+        self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+                     if sched.travel_rows(r) < sched.rows(r) else None for k, v, r in zip(ks, vs, run.ranks)]
 
     def zeros(self, g: int, device) -> torch.Tensor:
         return self.bufs.zeros(device)
@@ -43,8 +47,9 @@ class BlockGradSink:
     def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
         dk_acc, dv_acc = self.bufs.view(buf, rows)
         for blk, dk, dv in mine:
-            blk.add_k(dk_acc, dk)
-            blk.add_k(dv_acc, dv)
+            dst_k, dst_v = (self.home[i][0], self.home[i][1]) if blk.home else (dk_acc, dv_acc)
+            blk.add_k(dst_k, dk)
+            blk.add_k(dst_v, dv)
 
     def dq(self) -> list[torch.Tensor]:
         return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)]
@@ -53,6 +58,10 @@ class BlockGradSink:
         dks, dvs = [], []
         for i, (buf, n) in enumerate(zip(bufs[0], rows)):
             dk, dv = self.bufs.view(buf, n)
+            if self.home[i] is not None:  # the travelled prefix added to what stayed home
+                self.home[i][0].narrow(row_dim(dk), 0, n).add_(dk)
+                self.home[i][1].narrow(row_dim(dv), 0, n).add_(dv)
+                dk, dv = self.home[i][0], self.home[i][1]
             dks.append(dk.to(self.ks[i].dtype))
             dvs.append(dv.to(self.vs[i].dtype))
         return dks, dvs

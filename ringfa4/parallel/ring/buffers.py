@@ -9,7 +9,7 @@ import torch
 
 from .run import row_dim, with_rows
 
-__all__ = ["KVBuffers", "KVRing"]
+__all__ = ["KVBuffers", "KVRing", "travelling"]
 
 class KVBuffers:
     """Flat buffers ``[k | v]`` sized for the largest rank (ranks may hold different counts: packed
@@ -44,6 +44,14 @@ class KVBuffers:
 
     def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return buf[: self.k_cap].view(self.k_shape), buf[self.k_cap:].view(self.v_shape)
+
+
+def travelling(run, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> tuple[list, list]:
+    """The travelling prefix of each local rank's K and V (views; all of them on the dense path)."""
+    ranks, sched = run.ranks, run.schedule
+    cut = lambda x, r: x if sched.travel_rows(r) == x.shape[row_dim(x)] else x.narrow(  # noqa: E731
+        row_dim(x), 0, sched.travel_rows(r))
+    return [cut(k, r) for k, r in zip(ks, ranks)], [cut(v, r) for v, r in zip(vs, ranks)]
 
 
 class KVRing:

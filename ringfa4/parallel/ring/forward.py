@@ -12,8 +12,8 @@ import torch
 from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
 from . import calls
-from .buffers import KVBuffers, KVRing
-from .run import RingRun, acc_dtype, cap_of, lse_shape, rows_of
+from .buffers import KVBuffers, KVRing, travelling
+from .run import RingRun, acc_dtype, cap_of, lse_shape, rows_of, travel_of
 
 __all__ = ["EpilogueMerge", "ExactLse", "StepMerge", "forward_merge_strategy", "ring_forward"]
 
@@ -23,13 +23,15 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     """Per local rank: ``out`` like q (``(b, s, h, d)`` or packed ``(t, h, d)``) and fp32 ``lse``
     (``(b, h, s)`` or ``(h, t)``)."""
     bufs = KVBuffers(ks[0], vs[0], cap_of(run))
-    kv = KVRing(bufs, ks, vs)
+    kv = KVRing(bufs, *travelling(run, ks, vs))
     merge = forward_merge_strategy(run, qs, vs[0])
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
         handle = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
-            k_t, v_t = bufs.view(kv.cur[i], rows_of(run, run.schedule.source(r, t, world)))
+            # step 0: the rank's own K/V, whole documents included; later: what travelled here
+            k_t, v_t = (ks[i], vs[i]) if t == 0 else bufs.view(kv.cur[i], travel_of(run, run.schedule.source(r, t,
+                                                                                                           world)))
             rows = rows_of(run, r)
             for blk in run.schedule.blocks(r, t):
                 merge.block(i, blk, qs[i], k_t, v_t, rows)

@@ -8,9 +8,9 @@ import torch
 
 from .accum_sink import AccumGradSink, DenseGrads, HeadGroups, accum_states, grad_layout
 from .block_sink import BlockGradSink
-from .buffers import KVBuffers, KVRing
+from .buffers import KVBuffers, KVRing, travelling
 from .protocols import GradSink
-from .run import RingRun, acc_dtype, cap_of, rows_of
+from .run import RingRun, acc_dtype, cap_of, rows_of, travel_of
 
 __all__ = ["KVSide", "grad_sink"]
 
@@ -22,14 +22,16 @@ class KVSide:
     step = 1
 
     def __init__(self, run: RingRun, douts, qs, ks, vs, outs, lses, states: list | None = None) -> None:
-        self.run, self.ks = run, ks
+        self.run, self.ks, self.vs = run, ks, vs
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run))
-        self.ring = KVRing(self.bufs, ks, vs)
+        self.ring = KVRing(self.bufs, *travelling(run, ks, vs))
         self.sink = grad_sink(run, (douts, qs, ks, vs, outs, lses), states)
         self.groups, self.in_place = self.sink.groups, self.sink.in_place
 
     def held(self, i: int, r: int, t: int):
-        n = rows_of(self.run, self.run.schedule.source(r, t, self.run.schedule.world_size))
+        if t == 0:  # its own K/V, whole documents included; n: the rows of what travels
+            return (self.ks[i], self.vs[i]), travel_of(self.run, r)
+        n = travel_of(self.run, self.run.schedule.source(r, t, self.run.schedule.world_size))
         return self.bufs.view(self.ring.cur[i], n), n
 
     def zeros(self, g: int, i: int) -> torch.Tensor:
@@ -49,7 +51,7 @@ class KVSide:
         return self.sink.dq()  # does not need the last dK/dV hops: runs while they travel
 
     def results(self, local, accs: list[list[torch.Tensor]]):
-        rows = [rows_of(self.run, r) for r in self.run.ranks]
+        rows = [travel_of(self.run, r) for r in self.run.ranks]
         return (local, *self.sink.dkv(accs, rows))
 
 
@@ -61,7 +63,8 @@ def grad_sink(run: RingRun, tensors: tuple[list, ...], states: list | None = Non
     everywhere. ``tensors``: per-rank (douts, qs, ks, vs, outs, lses); ``states``: the local
     ranks' AccumBackward states when already begun (else begun here).
 
-    - no state (fp32 grads off, packed, or the backend has none): :class:`BlockGradSink`;
+    - no state (fp32 grads off, packed, or the backend has none), or rows that never travel (a
+      balanced pack's whole documents): :class:`BlockGradSink`;
     - states whose own dK/dV layout every block can address, an fp32 wire and dkv_groups > 1
       dividing the kv heads: :class:`AccumGradSink` in place, in head groups (a group's hop hides
       behind the other groups' blocks; no scratch, zeroing or add pass);
@@ -69,7 +72,9 @@ def grad_sink(run: RingRun, tensors: tuple[list, ...], states: list | None = Non
     """
     douts, qs, ks, vs, outs, lses = tensors
     states = accum_states(run, douts, qs, outs, lses) if states is None else states
-    if any(st is None for st in states):
+    sched = run.schedule
+    stays = any(sched.travel_rows(r) != sched.rows(r) for r in range(sched.world_size))
+    if stays or any(st is None for st in states):  # rows that never travel: only the block sink keeps them
         return BlockGradSink(run, douts, qs, ks, vs, outs, lses)
     wire = acc_dtype(qs[0]) if run.options.dkv_wire_fp32 else ks[0].dtype
     gbufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)

@@ -13,7 +13,7 @@ from ...options import RingOptions
 from ..transport import Transport
 
 __all__ = ["RingRun", "Schedule", "acc_dtype", "active_steps", "cap_of", "lse_shape", "row_dim", "rows_of",
-           "with_rows"]
+           "travel_of", "with_rows"]
 
 
 class Schedule(Protocol):
@@ -34,6 +34,13 @@ class Schedule(Protocol):
     def blocks(self, rank: int, step: int) -> tuple: ...
 
     def rows(self, rank: int) -> int: ...
+
+    def travel_rows(self, rank: int) -> int:
+        """The prefix of ``rank``'s local rows whose K/V leave it (dense: all; a balanced pack: its
+        split documents' pieces; the rest is only ever read at step 0, from the inputs)."""
+
+    @property
+    def max_travel_rows(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ def rows_of(run: RingRun, rank: int) -> int:
     return run.schedule.rows(rank)
 
 
+def travel_of(run: RingRun, rank: int) -> int:
+    """Travelling tokens of ``rank`` (a prefix of its local rows)."""
+    return run.schedule.travel_rows(rank)
+
+
 def cap_of(run: RingRun) -> int:
-    """Tokens of the largest rank (the travelling buffers' rows)."""
-    return run.schedule.max_rows
+    """Travelling tokens of the largest rank (the travelling buffers' rows)."""
+    return run.schedule.max_travel_rows

@@ -47,6 +47,14 @@ class RingSchedule:
     def max_rows(self) -> int:
         return max(self.rows(r) for r in range(self.world_size))
 
+    def travel_rows(self, rank: int) -> int:
+        """Every local token's K/V travel."""
+        return self.rows(rank)
+
+    @property
+    def max_travel_rows(self) -> int:
+        return self.max_rows
+
     @staticmethod
     def source(rank: int, step: int, world_size: int) -> int:
         """The rank whose K/V ``rank`` holds at ``step``."""
