@@ -147,13 +147,10 @@ def compile_only_varlen(arch: str | int = "sm_90a", dtype: torch.dtype = torch.b
     arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
     h, h_kv = heads
     tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
-    cu_q = torch.tensor([0] + [sum(a for a, _ in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
-    cu_k = torch.tensor([0] + [sum(b for _, b in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode():
         q = torch.empty(tq, h, head_dim, dtype=dtype, device="cuda")
         kv = torch.empty(tk, h_kv, head_dim, dtype=dtype, device="cuda")
-        cq, ck = torch.empty(cu_q.shape, dtype=torch.int32, device="cuda"), torch.empty(cu_k.shape, dtype=torch.int32,
-                                                                                       device="cuda")
+        cq, ck = (torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda") for _ in "qk")
         spec = AttnSpec(causal=causal, window=tuple(window), softcap=softcap, cu_seqlens_q=cq, cu_seqlens_k=ck,
                         max_seqlen_q=max(a for a, _ in lengths), max_seqlen_k=max(b for _, b in lengths))
         _, _, key = fa4_forward_fp32_varlen(q, kv, kv, spec, arch=arch_num)
