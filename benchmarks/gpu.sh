@@ -7,7 +7,8 @@
 #   kernels   block kernels vs sdpa and FA4 direct (kernels.py), fused merges (merge.py), the ring's forward kernels
 #             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
-#   packed    packed documents (varlen_sim.py: ring vs all-gather) and Ulysses x ring (ulysses_sim.py) (~4 min)
+#   packed    packed documents (varlen_sim.py: each rank alone, balanced vs per-document placements) and Ulysses x
+#             ring (ulysses_sim.py) (~7 min)
 #   host      where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and whether hops hide behind the
 #             kernels (hop_overlap.py) (~3 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the

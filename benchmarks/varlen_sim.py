@@ -1,72 +1,176 @@
-"""Compute-side efficiency of packed (varlen) ring CP on one GPU (simulated executor).
+"""Packed documents under CP on one GPU: each simulated rank timed alone, against one FA4 varlen call.
 
-A pack of random documents (lengths uniform in [--min-doc, --max-doc]) totalling --tokens tokens;
-efficiency = time(one varlen FA4 call over the whole pack) / (simulated time of all P ranks), for
-the ring and the all-gather-KV modes, forward and forward+backward. Anchor: ring-flash-attn's
-varlen zigzag reaches 75.9% of ideal on 8xH800 including communication.
+For every mix of documents and P, and each ``cp.pack`` mode (``balanced``: the default placement;
+``ring`` / ``allgather``: every document cut 2P ways), every rank's own forward (and backward) on
+its shards is timed separately, the executor level: ``ring_forward`` / ``allgather_forward`` of a
+:class:`RingRun` of that one rank, whose hops copy its travelling buffers (the bytes a real rank
+receives; their contents are its own, stale: timing only) and whose all-gather concatenates P
+copies of its buffer. efficiency = t(one ``flash_attn_varlen_func``-equivalent FA4 call over the
+whole pack) / (P x the slowest rank's time), so an unbalanced placement cannot score well. Also:
+max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring) or
+contributes to the all-gather, and the solver's time for 1,000 documents (CPU, median of 7).
 
-    python benchmarks/varlen_sim.py [--out bench_results/varlen_sim.json]
+Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k) at 128k, a long
+tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.
+
+    python benchmarks/varlen_sim.py [--mixes uniform_64k,...] [--worlds 4,8] [--modes balanced,ring,allgather]
+        [--out benchmarks/results/varlen_sim.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import random
+import statistics
+import time
 
 import torch
-from _common import cp_step, full_call, median_ms
+from _common import median_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
+from ringfa4.parallel import LoopbackTransport
+from ringfa4.parallel.allgather import allgather_backward, allgather_forward
+from ringfa4.parallel.dispatch import balance_documents
+from ringfa4.parallel.ring import ring_backward, ring_forward
+
+H, HK, D = 32, 8, 128
+MIXES = {  # name: (tokens, document length sampler)
+    "uniform_64k": (65536, lambda r: r.randint(1024, 16384)),
+    "uniform_256k": (262144, lambda r: r.randint(1024, 16384)),
+    "short_128k": (131072, lambda r: r.randint(512, 4096)),
+    "tail_256k": (262144, lambda r: int(2 ** r.uniform(7, 16))),
+    "one_64k": (65536, lambda r: 65536),
+}
+
+
+def mix_lengths(name: str, seed: int = 0) -> list[int]:
+    tokens, draw = MIXES[name]
+    rnd, out = random.Random(seed), []
+    while sum(out) < tokens:
+        out.append(min(draw(rnd), tokens - sum(out)))
+    return out
+
+
+class _OneRank(LoopbackTransport):
+    """The transport of one simulated rank run alone: a hop copies its own buffer (the bytes a
+    real rank receives); the all-gather returns P copies of its buffer; the reduce-scatter its
+    first slice."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.world_size = world_size
+
+    def all_gather(self, bufs):
+        return [torch.cat([bufs[0]] * self.world_size)]
+
+    def reduce_scatter(self, fulls):
+        return [fulls[0].view(self.world_size, -1)[0].clone()]
+
+
+def _rank_step(run, fwd, bwd, backward: bool):
+    def step(q, k, v, do):
+        outs, lses = fwd(run, [q], [k], [v])
+        if backward:
+            bwd(run, [do], [q], [k], [v], outs, lses)
+    return step
+
+
+def _solver_ms() -> float:
+    lengths = tuple(random.Random(1).randint(100, 4000) for _ in range(1000))
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        balance_documents(lengths, 8, 128)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _ratio(xs) -> float:
+    return max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0
+
+
+def bench_mix(name: str, worlds, modes, be, rep: int) -> list[dict]:
+    lengths = mix_lengths(name)
+    total = sum(lengths)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = [[torch.randn(total, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HK, HK, H)]
+            for _ in range(2)]
+    spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                    max_seqlen_k=max(lengths))
+
+    def one_call(backward):
+        def run(q, k, v, do):
+            o, l = be.forward(q, k, v, spec)
+            if backward:
+                be.backward(do, q, k, v, o, l, spec)
+        return run
+
+    t_full = {b: median_ms(one_call(b), sets, rep) for b in (False, True)}
+    rows = []
+    for P in worlds:
+        cp = ringfa4.ContextParallel.simulated(P, backend=be)
+        for mode in modes:
+            pack = cp.pack(cu, mode)
+            packing, allgather = pack.packing, pack.uses_allgather(H, HK)
+            fwd, bwd = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
+            base = cp.run(sets[0][0], AttnSpec(causal=True), packing, allgather)
+            toks = [packing.rows(r) for r in range(P)]
+            flops = [packing.work(r) for r in range(P)]
+            travel = packing.max_travel_rows
+            for backward in (False, True):
+                per_rank = []
+                for r in range(P):
+                    run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
+                    shards = [[packing.shard(t, 0, r) for t in s] for s in sets]
+                    per_rank.append(median_ms(_rank_step(run, fwd, bwd, backward), shards, rep))
+                slowest = max(per_rank)
+                rows.append({
+                    "mix": name, "P": P, "mode": mode, "travel": "allgather" if allgather else "ring",
+                    "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
+                    "split_docs": len(packing.split_docs()), "full_ms": t_full[backward],
+                    "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
+                    "efficiency": t_full[backward] / (P * slowest), "flops_balance": _ratio(flops),
+                    "token_balance": _ratio(toks), "rows_per_hop": travel,
+                    "mib_per_hop": 2 * travel * HK * D * 2 / 2**20})
+                print(json.dumps(rows[-1]), flush=True)
+    del sets
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--min-doc", type=int, default=1024)
-    ap.add_argument("--max-doc", type=int, default=16384)
+    ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--worlds", default="4,8")
-    ap.add_argument("--out", default="bench_results/varlen_sim.json")
+    ap.add_argument("--modes", default="balanced,ring,allgather")
+    ap.add_argument("--rep", type=int, default=100, help="ms of do_bench per timing")
+    ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
     args = ap.parse_args()
-    rnd = random.Random(0)
-    lengths, total = [], 0
-    while total < args.tokens:
-        n = min(rnd.randint(args.min_doc, args.max_doc), args.tokens - total)
-        lengths.append(n)
-        total += n
-    h, hk, d = 32, 8, 128
-    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sets = [[torch.randn(total, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in (h, hk, hk, h)]
-            for _ in range(2)]
-    spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                    max_seqlen_k=max(lengths))
-    rows = []
-    t_full = {b: median_ms(full_call(be, spec, b), sets, 200) for b in (False, True)}
-    for P in (int(p) for p in args.worlds.split(",")):
-        cp = ringfa4.ContextParallel.simulated(P, layout="zigzag", backend=be,
-                                                options=ringfa4.RingOptions.from_env())
-        for mode in ("ring", "allgather"):
-            pack = cp.pack(cu, mode)
-            for backward in (False, True):
-                t = median_ms(cp_step(cp, backward, pack), sets, 200)
-                rows.append({"P": P, "mode": mode, "pass": "fwd+bwd" if backward else "fwd",
-                             "full_ms": t_full[backward], "ms_per_rank": t / P, "efficiency": t_full[backward] / t})
-                print(json.dumps(rows[-1]), flush=True)
+    worlds = [int(p) for p in args.worlds.split(",")]
+    solver = _solver_ms()
+    rows = [row for name in args.mixes.split(",") for row in bench_mix(name, worlds, args.modes.split(","), be,
+                                                                      args.rep)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "lengths": lengths, "heads": h, "kv_heads": hk,
-                   "head_dim": d, "backend": be.name, "rows": rows}, f, indent=1)
-    print(f"\npacked ring, simulated on one {torch.cuda.get_device_name()} ({be.name}; {len(lengths)} documents, "
-          f"{total // 1024}k tokens, h={h}/{hk}, d={d}, bf16, causal zigzag)")
-    print("| P | mode | pass | one varlen call ms | ms/rank | efficiency |")
-    print("|---|---|---|---|---|---|")
+        json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
+                   "backend": be.name, "solver_ms_1000_docs": solver, "rows": rows}, f, indent=1)
+    print(f"\npacked documents, each simulated rank alone on one {torch.cuda.get_device_name()} ({be.name}; "
+          f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents")
+    print("| mix | P | mode (K/V) | pass | split / docs | one call ms | slowest rank ms | efficiency | "
+          "FLOPs max/mean | tokens max/mean | MiB a hop |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['P']} | {r['mode']} | {r['pass']} | {r['full_ms']:.2f} | {r['ms_per_rank']:.3f} | "
-              f"{r['efficiency']:.3f} |")
+        print(f"| {r['mix']} | {r['P']} | {r['mode']} ({r['travel']}) | {r['pass']} | {r['split_docs']} / "
+              f"{r['docs']} | {r['full_ms']:.2f} | {r['slowest_rank_ms']:.3f} | {r['efficiency']:.3f} | "
+              f"{r['flops_balance']:.3f} | {r['token_balance']:.3f} | {r['mib_per_hop']:.1f} |")
+    assert all(math.isfinite(r["efficiency"]) for r in rows)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,38 @@ def test_ring_sim_records_its_options(monkeypatch):
     monkeypatch.delenv("RINGFA4_DKV_GROUPS", raising=False)
     got = ring_sim._options()
     assert got["bwd_ring"] == "q" and got["dkv_groups"] == 2 and got["fp32_grads"] is True
+
+
+def test_varlen_sim_ranks_alone():
+    """varlen_sim's one-rank runs: every mode's forward and backward run for each rank alone; a
+    rank whose documents are all whole (nothing travels) gets exactly its rows of the full result."""
+    import dataclasses
+
+    import varlen_sim
+
+    from ringfa4.parallel import make_layout
+    from ringfa4.parallel.allgather import allgather_backward, allgather_forward
+    from ringfa4.parallel.ring import ring_backward, ring_forward
+
+    assert sum(varlen_sim.mix_lengths("short_128k")) == 131072 and varlen_sim.mix_lengths("one_64k") == [65536]
+    P = 4
+    cp = ringfa4.ContextParallel.simulated(P, layout=make_layout("zigzag", P, tile=4), backend="reference")
+    checked = 0
+    for lengths in ([9, 40, 3, 17, 25, 6], [16, 16, 16, 16]):
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        q, k, v, do = (torch.randn(sum(lengths), n, 8, dtype=torch.float64) for n in (4, 2, 2, 4))
+        for mode in ("balanced", "ring", "allgather"):
+            pack = cp.pack(cu, mode)
+            packing, ag = pack.packing, pack.uses_allgather(4, 2)
+            fwd, bwd = (allgather_forward, allgather_backward) if ag else (ring_forward, ring_backward)
+            base = cp.run(q, AttnSpec(causal=True), packing, ag)
+            full = ringfa4.attention(q, k, v, cp=cp, packing=pack, causal=True)
+            for r in range(P):
+                run = dataclasses.replace(base, ranks=(r,), transport=varlen_sim._OneRank(P))
+                shards = [packing.shard(t, 0, r) for t in (q, k, v, do)]
+                varlen_sim._rank_step(run, fwd, bwd, True)(*shards)
+                if not packing.split_docs():
+                    out = fwd(run, *([s] for s in shards[:3]))[0][0]
+                    assert torch.equal(out, packing.shard(full, 0, r))
+                    checked += 1
+    assert checked == P  # the balanced pack of four equal documents keeps each whole

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import random_cu_seqlens, reference_grads
+from helpers import random_cu_seqlens, reference_grads, rel_err
 from test_packing import FLOOR, _base_errors, _check
 
 import ringfa4
@@ -193,3 +193,27 @@ def test_gloo_balanced(pools, world, kw, lengths):
     packing = Packing(cu.tolist(), _layout(world), balanced=True)
     for rank, (_, value) in enumerate(res):
         assert torch.equal(value["positions"], packing.positions(rank)) and value["rows"] == packing.rows(rank)
+
+
+@pytest.mark.parametrize("P", [8, 32])
+def test_bf16_pack_error_like_one_call(P):
+    """bf16 inputs on the reference backend: fp32 block outputs and fp32 block gradients
+    (``backward_accumulate``) keep the pack's error within 1.02x (out, lse) and 1.05x (dq, dk, dv)
+    of one varlen call; with fp32 gradients off the block gradients round to bf16 (worse)."""
+    lengths = [1, 300, 7, 45, 520, 2, 96, 410, 33, 260]
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(sum(lengths), n, 16, generator=g).to(torch.bfloat16) for n in (4, 2, 2, 4))
+    ref = reference_grads(q.double(), k.double(), v.double(), do.double(), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                          causal=True)
+    base = _base_errors(q, k, v, do, cu, {"causal": True}, ref)
+    errs = {}
+    for fp32_grads in (True, False):
+        cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference",
+                                                options=ringfa4.RingOptions(fp32_grads=fp32_grads))
+        assert cp.pack(cu).packing.split_docs()
+        got = _run(cp, q, k, v, do, cu, {"causal": True})
+        errs[fp32_grads] = [rel_err(x, r) for x, r in zip(got, ref)]
+    for name, e, e0, bound in zip(("out", "lse", "dq", "dk", "dv"), errs[True], base, (1.02, 1.02, 1.05, 1.05, 1.05)):
+        assert e <= bound * e0, f"P={P} {name}: {e:.4g} > {bound} x one call {e0:.4g}"
+    assert sum(errs[False][2:]) > sum(errs[True][2:]), "bf16 block gradients should cost precision"

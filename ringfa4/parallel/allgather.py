@@ -154,12 +154,17 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
         home = None if sched.travel_rows(r) == sched.rows(r) else (
             torch.zeros(ks[i].shape, dtype=acc, device=dq.device), torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
+        fp32 = run.options.fp32_grads and qs[i].dtype != acc
         for call in sched.blocks(r):
             held, dst = ((ks[i], vs[i]), home) if call.home else (kv[i], (dk, dv))
-            g = calls.backward(run.backend, call, (douts[i], qs[i], *held, outs[i], lses[i]), run.spec)
-            call.add_q(dq, g[0])
-            call.add_k(dst[0], g[1])
-            call.add_k(dst[1], g[2])
+            tensors = (douts[i], qs[i], *held, outs[i], lses[i])
+            kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dq) if fp32 else None
+            if kept is None:
+                g = calls.backward(run.backend, call, tensors, run.spec)
+                call.add_q(dq, g[0])
+                kept = g[1:]
+            call.add_k(dst[0], kept[0])
+            call.add_k(dst[1], kept[1])
         homes.append(home)
         idx = sched.global_rows(dq.device)  # back to rank-major rows, one [dk | dv] block per owner
         dk_rm = dk.new_zeros((sched.world_size * cap,) + tuple(dk.shape[1:])).index_copy_(0, idx, dk)

@@ -12,7 +12,9 @@ __all__ = ["BlockGradSink"]
 
 
 class BlockGradSink:
-    """Each block's gradients come back in the inputs' dtype; dq adds into fp32, dK/dV into the
+    """Each block's gradients come back in fp32 where ``RingOptions.fp32_grads`` asks and the
+    backend's ``backward_accumulate`` runs (FA4's varlen backward on sm90; the reference backend),
+    else in the inputs' dtype; dq adds into fp32, dK/dV into the
     travelling buffer (fp32, or k's dtype on a 16-bit wire) once the hop has arrived, or, for the
     blocks of rows that never travel (``blk.home``: a balanced pack's whole documents), into an
     fp32 accumulator that stays home. One group, not in place (a :class:`~.protocols.GradSink`)."""
@@ -25,6 +27,8 @@ class BlockGradSink:
         wire = acc if run.options.dkv_wire_fp32 else ks[0].dtype
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)
         self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+        # fp32 block gradients (the backend's backward_accumulate) where asked and not already exact
+        self.fp32 = run.options.fp32_grads and qs[0].dtype != acc
         sched = run.schedule
         self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
                      if sched.travel_rows(r) < sched.rows(r) else None for k, v, r in zip(ks, vs, run.ranks)]
@@ -38,9 +42,14 @@ class BlockGradSink:
     def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
         mine = []
         for blk in blocks:
-            dq, dk, dv = calls.backward(self.run.backend, blk, (self.douts[i], self.qs[i], k, v, self.outs[i],
-                                                                 self.lses[i]), self.run.spec)
-            blk.add_q(self.dqs[i], dq)
+            tensors = (self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i])
+            kept = calls.backward_fp32(self.run.backend, blk, tensors, self.run.spec, self.dqs[i]) if (
+                self.fp32) else None
+            if kept is None:
+                dq, dk, dv = calls.backward(self.run.backend, blk, tensors, self.run.spec)
+                blk.add_q(self.dqs[i], dq)
+            else:
+                dk, dv = kept
             mine.append((blk, dk, dv))
         return mine
 

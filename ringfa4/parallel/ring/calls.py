@@ -15,7 +15,7 @@ import torch
 from ...kernels.merge import merge_lse_, merge_planes_
 from ...kernels.spec import AttnSpec, BlockBackend
 
-__all__ = ["accumulate", "add_lse", "backward", "forward", "forward_merge", "merge", "merge_planes"]
+__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "merge", "merge_planes"]
 
 
 def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
@@ -66,6 +66,29 @@ def backward(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base
         l = l.contiguous()  # varlen lse (h, t): FA4 takes it contiguous
     return backend.backward(blk.q_rows(dout), blk.q_rows(q), blk.k_rows(k), blk.k_rows(v), blk.q_rows(out), l,
                             blk.spec(base, q.device))
+
+
+def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base: AttnSpec,
+                  dq_acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The block's gradients kept in fp32 (the backend's ``backward_accumulate``): dq added into
+    the rank's fp32 ``dq_acc`` (its rows; gathered and put back where they are not a view), dk / dv
+    returned as fresh fp32 tensors of the block's kv rows; None, touching nothing, where the backend
+    cannot (the caller then uses :func:`backward`). ``tensors`` as for :func:`backward`."""
+    dout, q, k, v, out, lse = tensors
+    l = blk.lse_rows(lse)
+    if blk.token_dim == 0:
+        l = l.contiguous()
+    kb, vb = blk.k_rows(k), blk.k_rows(v)
+    dq = blk.q_rows(dq_acc) if blk.q_is_view else torch.zeros(blk.q_rows(q).shape, dtype=dq_acc.dtype,
+                                                               device=dq_acc.device)
+    dk = torch.zeros(kb.shape, dtype=dq_acc.dtype, device=kb.device)
+    dv = torch.zeros(vb.shape, dtype=dq_acc.dtype, device=vb.device)
+    if not backend.backward_accumulate(blk.q_rows(dout), blk.q_rows(q), kb, vb, blk.q_rows(out), l,
+                                       blk.spec(base, q.device), (dq, dk, dv)):
+        return None
+    if not blk.q_is_view:
+        blk.add_q(dq_acc, dq)
+    return dk, dv
 
 
 def accumulate(state, blk, k, v, base: AttnSpec, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
