@@ -80,9 +80,10 @@ def compile_run(tmp_path_factory):
     if not fa4_installed():
         pytest.skip("needs flash-attn-4 and nvidia-cutlass-dsl (pip install 'ringfa4[gpu]')")
     tmp = tmp_path_factory.mktemp("fa4_varlen")
-    result, log = tmp / "result.json", tmp / "log.txt"
+    result, log, dump = tmp / "result.json", tmp / "log.txt", tmp / "dump"
+    dump.mkdir()
     env = dict(FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
-               FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP="ptx,cubin")
+               FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="0", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
     proc = cute_compile.start(__file__, ["sm_90a", str(result)], env, log)
     yield proc, result, log
     cute_compile.stop([proc])
