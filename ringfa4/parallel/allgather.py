@@ -29,6 +29,7 @@ from .packing import Packing
 from .ring import calls
 from .ring.buffers import travelling
 from .ring.forward import ExactLse
+from .ring.run import direct_home
 from .varlen import PackSchedule, VarlenCall
 
 __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
@@ -118,25 +119,40 @@ def _gathered_kv(run, ks, vs):
 
 
 def allgather_forward(run, qs, ks, vs):
-    """Same contract as :func:`ring_forward`, packed tensors only."""
+    """Same contract as :func:`ring_forward`, packed tensors only. A rank's whole documents, when
+    they form one call after its travelling rows (:func:`~.ring.run.direct_home`), write their rows
+    of the output and lse themselves (no merge)."""
     kv = _gathered_kv(run, ks, vs)
     outs, lses = [], []
     for i, r in enumerate(run.ranks):
         q = qs[i]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        acc = torch.zeros(q.shape[:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
+        direct = direct_home(run, run.schedule.blocks(r), r)
+        n_acc = q.shape[0] if direct is None else run.schedule.travel_rows(r)
+        acc = torch.zeros((n_acc,) + q.shape[1:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
         fp32_parts = run.options.fp32_partials and run.backend.fp32_block_outputs(q.device)
-        scratch = (torch.empty_like(acc, dtype=acc.dtype if fp32_parts else q.dtype), torch.empty_like(lse))
+        scratch = (q.new_empty(q.shape[:-1] + (vs[i].shape[-1],), dtype=acc.dtype if fp32_parts else q.dtype),
+                   torch.empty_like(lse))
+        final = None if direct is None else q.new_empty(q.shape[:-1] + (vs[i].shape[-1],))
         exact = ExactLse([lse])
         for call in run.schedule.blocks(r):
-            o, l = calls.forward(run.backend, call, q, *((ks[i], vs[i]) if call.home else kv[i]), run.spec, *scratch)
+            held = (ks[i], vs[i]) if call.home else kv[i]
+            if call is direct:
+                o, _ = calls.forward(run.backend, call, q, *held, run.spec, scratch[0], lse)
+                call.put_q(final, o)
+                continue
+            o, l = calls.forward(run.backend, call, q, *held, run.spec, *scratch)
             calls.merge(call, acc, lse, o, l, run.options.merge_kernel)
             exact.add(0, call, l)
-        exact.finish()
+        exact.finish(None if direct is None else [n_acc])
         if run.sinks is not None:  # once, on the merged result
             apply_sinks_(acc, lse, run.sinks)
-        outs.append(acc.to(q.dtype))
+        if final is None:
+            outs.append(acc.to(q.dtype))
+        else:
+            final[:n_acc] = acc
+            outs.append(final)
         lses.append(lse)
     return outs, lses
 

@@ -25,7 +25,10 @@ def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torc
     qb, kb, vb = blk.q_rows(q), blk.k_rows(k), blk.k_rows(v)
     if blk.q_is_view:
         return backend.forward(qb, kb, vb, spec, out=blk.q_rows(scratch_o), lse=blk.lse_rows(scratch_l))
-    return backend.forward(qb, kb, vb, spec)
+    n = qb.shape[blk.token_dim]  # gathered rows: fresh buffers of the scratch's dtypes (fp32 partials stay fp32)
+    o = torch.empty(qb.shape[:-1] + (vb.shape[-1],), dtype=scratch_o.dtype, device=qb.device)
+    l = torch.empty(tuple(scratch_l.shape[:-1]) + (n,), dtype=scratch_l.dtype, device=qb.device)
+    return backend.forward(qb, kb, vb, spec, out=o, lse=l)
 
 
 def forward_merge(backend: BlockBackend, blk, q, k, v, base: AttnSpec, out_acc: torch.Tensor, planes: torch.Tensor):

@@ -13,7 +13,7 @@ from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
 from . import calls
 from .buffers import KVBuffers, KVRing, travelling
-from .run import RingRun, acc_dtype, cap_of, lse_shape, rows_of, travel_of
+from .run import RingRun, acc_dtype, cap_of, direct_home, lse_shape, row_dim, rows_of, travel_of, with_rows
 
 __all__ = ["EpilogueMerge", "ExactLse", "StepMerge", "forward_merge_strategy", "ring_forward"]
 
@@ -42,7 +42,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     if run.sinks is not None:  # once, on the merged fp32 result
         for o, l in zip(merge.outs, merge.lses):
             apply_sinks_(o, l, run.sinks)
-    return [o.to(q.dtype) for o, q in zip(merge.outs, qs)], merge.lses
+    return merge.results(), merge.lses
 
 
 def forward_merge_strategy(run: RingRun, qs: list[torch.Tensor], v: torch.Tensor) -> StepMerge:
@@ -72,22 +72,33 @@ class ExactLse:
         if self.exact[i] is not None:
             calls.add_lse(blk, self.exact[i], l)
 
-    def finish(self) -> None:
-        for lse, exact in zip(self.lses, self.exact):
+    def finish(self, upto: list[int | None] | None = None) -> None:
+        """``upto[i]``: copy only the first rows of rank i (the rest were written exactly)."""
+        for i, (lse, exact) in enumerate(zip(self.lses, self.exact)):
+            n = None if upto is None else upto[i]
             if exact is not None:
-                lse.copy_(exact)
+                (lse if n is None else lse[..., :n]).copy_(exact if n is None else exact[..., :n])
 
 
 class StepMerge:
     """Each block's output lands in one scratch (``part_dtype``: fp32 partials, or None for q's
     dtype) and merges into the fp32 accumulator at once (the first block over all rows is copied
-    instead). ``outs`` / ``lses``: the per-rank results."""
+    instead). ``outs`` / ``lses``: the per-rank accumulators; :meth:`results` the outputs.
+
+    A rank whose whole documents form one call after its travelling prefix
+    (:func:`~.run.direct_home`) keeps an accumulator of the prefix only: that call writes its rows
+    of the final output (q's dtype) and of the lse itself."""
 
     def __init__(self, run: RingRun, qs: list[torch.Tensor], dv: int, part_dtype: torch.dtype | None) -> None:
         self.run, self.qs, self.dv, self.part_dtype = run, qs, dv, part_dtype
         acc = acc_dtype(qs[0])
         self.lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-        self.outs = [torch.zeros(q.shape[:-1] + (dv,), dtype=acc, device=q.device) for q in qs]
+        self.direct = [direct_home(run, run.schedule.blocks(r, 0), r) for r in run.ranks]
+        self.acc_rows = [travel_of(run, r) if d is not None else rows_of(run, r)
+                         for d, r in zip(self.direct, run.ranks)]
+        self.finals = [None if d is None else q.new_empty(q.shape[:-1] + (dv,)) for d, q in zip(self.direct, qs)]
+        self.outs = [torch.zeros(with_rows(q, n)[:-1] + (dv,), dtype=acc, device=q.device)
+                     for q, n in zip(qs, self.acc_rows)]
         self.lses = [torch.full(lse_shape(q), -math.inf, dtype=self.lse_dtype, device=q.device) for q in qs]
         self.by_shape: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # simulated ranks share one
         self.fresh = [True] * len(qs)
@@ -103,17 +114,32 @@ class StepMerge:
 
     def block(self, i: int, blk, q, k, v, rows: int) -> None:
         run = self.run
+        if blk is self.direct[i]:  # the whole documents: their lse rows and final out rows, no merge
+            o, _ = calls.forward(run.backend, blk, q, k, v, run.spec, self.target(i)[0], self.lses[i])
+            blk.put_q(self.finals[i], o)  # (through the fp32 scratch: the same kernels for every pack)
+            return
         o, l = calls.forward(run.backend, blk, q, k, v, run.spec, *self.target(i))
-        if self.fresh[i] and blk.covers(rows):
-            self.outs[i].copy_(o)
-            self.lses[i].copy_(l)
+        if self.fresh[i] and blk.covers(self.acc_rows[i]):
+            blk.put_q(self.outs[i], o)
+            blk.put_lse(self.lses[i], l)
         else:
             calls.merge(blk, self.outs[i], self.lses[i], o, l, run.options.merge_kernel)
         self.fresh[i] = False
         self.exact.add(i, blk, l)
 
     def finish(self) -> None:
-        self.exact.finish()
+        self.exact.finish([None if d is None else n for d, n in zip(self.direct, self.acc_rows)])
+
+    def results(self) -> list[torch.Tensor]:
+        """Per rank the output in q's dtype."""
+        out = []
+        for acc, final, q in zip(self.outs, self.finals, self.qs):
+            if final is None:
+                out.append(acc.to(q.dtype))
+            else:
+                final.narrow(row_dim(q), 0, acc.shape[row_dim(q)]).copy_(acc)
+                out.append(final)
+        return out
 
 
 class EpilogueMerge(StepMerge):
@@ -133,6 +159,7 @@ class EpilogueMerge(StepMerge):
         self.lse_dtype = torch.float32
         self.outs = [torch.empty(q.shape[:-1] + (dv,), dtype=torch.float32, device=q.device) for q in qs]
         self.lses = [torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) for q in qs]  # by finish
+        self.direct = self.finals = [None] * len(qs)  # dense: no whole documents
         self.by_shape = {}  # declined blocks' scratch
         self.planes = [torch.empty(q.shape[0], q.shape[2], 2, q.shape[1], dtype=torch.float32, device=q.device)
                        for q in qs]

@@ -13,7 +13,7 @@ from ...options import RingOptions
 from ..transport import Transport
 
 __all__ = ["RingRun", "Schedule", "acc_dtype", "active_steps", "cap_of", "lse_shape", "row_dim", "rows_of",
-           "travel_of", "with_rows"]
+           "travel_of", "with_rows", "direct_home"]
 
 
 class Schedule(Protocol):
@@ -103,6 +103,21 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 def rows_of(run: RingRun, rank: int) -> int:
     """Local tokens of ``rank``."""
     return run.schedule.rows(rank)
+
+
+def direct_home(run: RingRun, calls: tuple, rank: int):
+    """The call of ``rank``'s whole documents when it can write the final rows itself: the only
+    ``home`` call among ``calls``, its rows contiguous and exactly the local rows after the
+    travelling prefix, no sinks. Those rows need no merge: the call writes out (q's dtype) and lse
+    straight into the results and its backward the final dq / dk / dv, one varlen call's numerics.
+    None otherwise."""
+    home = [c for c in calls if c.home]
+    if run.sinks is not None or len(home) != 1 or not home[0].q_contiguous or not home[0].k_contiguous:
+        return None
+    c, travel, rows = home[0], travel_of(run, rank), rows_of(run, rank)
+    if (c.pairs[0][0], c.pairs[-1][1], c.pairs[0][2], c.pairs[-1][3]) != (travel, rows, travel, rows):
+        return None
+    return c
 
 
 def travel_of(run: RingRun, rank: int) -> int:
