@@ -14,8 +14,8 @@ from test_packing import FLOOR, _base_errors, _check
 
 import ringfa4
 from ringfa4.kernels import get_backend
-from ringfa4.parallel import make_layout
 from ringfa4.parallel import context as context_module
+from ringfa4.parallel import make_layout
 from ringfa4.parallel.dispatch import FLOP_BOUND, TOKEN_BOUND, balance_documents, piece_bounds, piece_pairs
 from ringfa4.parallel.packing import Packing
 

@@ -169,7 +169,8 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
         home = None if sched.travel_rows(r) == sched.rows(r) else (
-            torch.zeros(ks[i].shape, dtype=acc, device=dq.device), torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
+            torch.zeros(ks[i].shape, dtype=acc, device=dq.device),
+            torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
         fp32 = run.options.fp32_grads and qs[i].dtype != acc
         for call in sched.blocks(r):
             held, dst = ((ks[i], vs[i]), home) if call.home else (kv[i], (dk, dv))

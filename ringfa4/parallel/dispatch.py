@@ -1,9 +1,11 @@
 """Cost-balanced placement of packed documents on CP ranks (``cp.pack(cu_seqlens)``'s default).
 
 A document is either kept **whole** on one rank (it needs no communication at all: its attention
-is one varlen call against the rank's own K/V) or **split**: cut into ``2P`` pieces by :func:`piece_bounds`
-(multiples of the backend's ``tile``, only the last non-empty piece shorter) and spread zigzag, rank ``r`` holding pieces ``r`` and ``2P-1-r``, so a
-long document costs every rank about the same (the dense path's causal balance). Only split
+is one varlen call against the rank's own K/V) or **split**: cut into ``2P`` pieces by
+:func:`piece_bounds` (multiples of the backend's ``tile``, only the last non-empty piece shorter),
+two a rank, paired so that every rank's pair costs about the same (zigzag, pieces ``r`` and
+``2P-1-r``, for equal pieces): a long document costs every rank about the same (the dense path's
+causal balance). Only split
 documents' K/V travel (ring hops or the all-gather); a pack whose documents all stay whole moves
 nothing.
 
@@ -21,10 +23,11 @@ contribute to every rank), the solver:
 1. sorts documents by length, longest first (ties: lower index first);
 2. for ``k`` documents split (the ``k`` longest; each document's pieces paired cheapest with
    dearest, which is zigzag for equal pieces and evens out the shorter last piece, the pairs going
-   dearest first to the rank whose ``max(tokens / T, pairs / F)`` they raise least), places the others greedily in that order on the
-   rank that minimizes ``max(tokens / T, pairs / F)`` after adding it (ties: the lowest rank):
-   the longest-processing-time rule, whose result on FLOPs is at most ``F`` plus the largest whole
-   document's pairs (the last document placed on the busiest rank started below the mean);
+   dearest first to the rank whose ``max(tokens / T, pairs / F)`` they raise least), places the
+   others greedily in that order on the rank that minimizes ``max(tokens / T, pairs / F)`` after
+   adding it (ties: the lowest rank): the longest-processing-time rule, whose result on FLOPs is
+   at most ``F`` plus the largest whole document's pairs (the last document placed on the busiest
+   rank started below the mean);
 3. takes the smallest ``k`` (from the documents that cannot be whole: longer than the token cap)
    whose placement is within ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F``
    (defaults 1.08 and 1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling

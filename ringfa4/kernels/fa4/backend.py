@@ -101,6 +101,17 @@ def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
     return kw
 
 
+def _check_grad_inputs(q, v, spec: AttnSpec, out, dout, lse) -> None:
+    """``out`` / ``dout`` like q's rows with v's head dim, ``lse (b, h, s_q)`` or varlen
+    ``(h, total_q)``: float tensors on q's device, else a ValueError naming the tensor."""
+    o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
+        if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
+            raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+
+
 class Fa4Backend:
     """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
 
@@ -181,12 +192,7 @@ class Fa4Backend:
         (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``)."""
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
-        o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-        lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
-        for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
-            if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
-                raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
-                                 f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        _check_grad_inputs(q, v, spec, out, dout, lse)
         out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32)
         _, bwd = _kernels()
         try:
@@ -209,12 +215,7 @@ class Fa4Backend:
         specs, dtypes / head dims it lacks, a cu_seqlens_q known (without a sync) to hold an empty
         segment (FA4's varlen backward crashes on one)."""
         validate_block(q, k, v, spec)
-        o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-        lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
-        for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
-            if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
-                raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
-                                 f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        _check_grad_inputs(q, v, spec, out, dout, lse)
         dq_acc, dk_acc, dv_acc = check_grads(grads, q, k, v)
         if spec.deterministic or q.device.type != "cuda" or q.dtype not in _DTYPES or not self._ran_here():
             return False

@@ -193,15 +193,11 @@ def compile_only_varlen(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128
     set before cutlass is imported, no GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    h, h_kv = heads
-    tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
+    from .varlen_fwd import fake_varlen
+
     with FakeTensorMode():
-        q = torch.empty(tq, h, head_dim, dtype=dtype, device="cuda")
-        kv = torch.empty(tk, h_kv, head_dim, dtype=dtype, device="cuda")
-        cq, ck = (torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda") for _ in "qk")
-        spec = AttnSpec(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(a for a, _ in lengths),
-                        max_seqlen_k=max(b for _, b in lengths), **spec_kwargs)
-        lse = torch.empty(h, tq, dtype=torch.float32, device="cuda")
-        grads = (torch.empty(tq, h, head_dim, dtype=torch.float32, device="cuda"),
-                 *(torch.empty(tk, h_kv, head_dim, dtype=torch.float32, device="cuda") for _ in "kv"))
+        q, kv, spec = fake_varlen(lengths, heads, head_dim, dtype, **spec_kwargs)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device="cuda")
+        grads = (torch.empty(q.shape, dtype=torch.float32, device="cuda"),
+                 *(torch.empty(kv.shape, dtype=torch.float32, device="cuda") for _ in "kv"))
         return accumulate_varlen(q, q, kv, kv, q, lse, spec, grads)

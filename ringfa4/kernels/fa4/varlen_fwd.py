@@ -133,6 +133,20 @@ def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out, lse, key
 
 
+def fake_varlen(lengths, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, **spec_kwargs):
+    """Inside a ``FakeTensorMode``: packed ``q (total_q, h, d)``, ``kv (total_k, h_kv, d)`` and the
+    varlen AttnSpec (``spec_kwargs``: causal, window, softcap) of documents ``lengths = ((len_q,
+    len_k), ...)``, on "cuda" (the compile-only entry points' inputs)."""
+    h, h_kv = heads
+    tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
+    q = torch.empty(tq, h, head_dim, dtype=dtype, device="cuda")
+    kv = torch.empty(tk, h_kv, head_dim, dtype=dtype, device="cuda")
+    cq, ck = (torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda") for _ in "qk")
+    spec = AttnSpec(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(a for a, _ in lengths),
+                    max_seqlen_k=max(b for _, b in lengths), **spec_kwargs)
+    return q, kv, spec
+
+
 def compile_only_varlen(arch: str | int = "sm_90a", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                         causal: bool = False, *, window: tuple[int | None, int | None] = (None, None),
                         softcap: float = 0.0, lengths: tuple[tuple[int, int], ...] = ((300, 200), (1, 1), (64, 500)),
@@ -145,13 +159,8 @@ def compile_only_varlen(arch: str | int = "sm_90a", dtype: torch.dtype = torch.b
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
-    h, h_kv = heads
-    tq, tk = sum(a for a, _ in lengths), sum(b for _, b in lengths)
     with FakeTensorMode():
-        q = torch.empty(tq, h, head_dim, dtype=dtype, device="cuda")
-        kv = torch.empty(tk, h_kv, head_dim, dtype=dtype, device="cuda")
-        cq, ck = (torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda") for _ in "qk")
-        spec = AttnSpec(causal=causal, window=tuple(window), softcap=softcap, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                        max_seqlen_q=max(a for a, _ in lengths), max_seqlen_k=max(b for _, b in lengths))
+        q, kv, spec = fake_varlen(lengths, heads, head_dim, dtype, causal=causal, window=tuple(window),
+                                  softcap=softcap)
         _, _, key = fa4_forward_fp32_varlen(q, kv, kv, spec, arch=arch_num)
     return _CACHE[key]

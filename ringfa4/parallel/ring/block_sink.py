@@ -30,7 +30,8 @@ class BlockGradSink:
         # fp32 block gradients (the backend's backward_accumulate) where asked and not already exact
         self.fp32 = run.options.fp32_grads and qs[0].dtype != acc
         sched = run.schedule
-        self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
+        self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device),
+                      torch.zeros(v.shape, dtype=acc, device=v.device))
                      if sched.travel_rows(r) < sched.rows(r) else None for k, v, r in zip(ks, vs, run.ranks)]
 
     def zeros(self, g: int, device) -> torch.Tensor:

@@ -10,7 +10,7 @@ from .accum_sink import AccumGradSink, DenseGrads, HeadGroups, accum_states, gra
 from .block_sink import BlockGradSink
 from .buffers import KVBuffers, KVRing, travelling
 from .protocols import GradSink
-from .run import RingRun, acc_dtype, cap_of, rows_of, travel_of
+from .run import RingRun, acc_dtype, cap_of, travel_of
 
 __all__ = ["KVSide", "grad_sink"]
 
