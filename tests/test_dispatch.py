@@ -173,10 +173,11 @@ def test_balanced_float32_accumulates_like_one_call():
 
 @pytest.mark.parametrize("world,kw,lengths", [(w, kw, None) for w in (2, 3, 4) for kw in ({"causal": True},
                                                                                          {"window": (9, 6)})]
-                         + [(2, {"causal": True}, [8200, 5, 300, 17, 0, 1])], ids=str)
+                         + [(2, {"causal": True}, [8200, 5, 300, 17, 0, 1]), (3, {"causal": True}, [0, 480])],
+                         ids=str)
 def test_gloo_balanced(pools, world, kw, lengths):
-    """Short packs take the all-gather for their split documents; the last case's long document
-    takes the ring (bit-identical to the simulated executor)."""
+    """Short packs take the all-gather for their split documents; the 8200-token document takes the
+    ring (bit-identical to the simulated executor); the lone 480-token document the dense ring."""
     lengths = lengths or _lengths(world * 5 + len(kw), world)
     res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "balanced", 1, 2, TILE)
     assert all(status == "ok" for status, _ in res), res
@@ -217,3 +218,28 @@ def test_bf16_pack_error_like_one_call(P):
     for name, e, e0, bound in zip(("out", "lse", "dq", "dk", "dv"), errs[True], base, (1.02, 1.02, 1.05, 1.05, 1.05)):
         assert e <= bound * e0, f"P={P} {name}: {e:.4g} > {bound} x one call {e0:.4g}"
     assert sum(errs[False][2:]) > sum(errs[True][2:]), "bf16 block gradients should cost precision"
+
+
+@pytest.mark.parametrize("P,L", [(2, 96), (4, 256), (4, 200)])
+def test_one_document_runs_the_dense_ring(P, L):
+    """A pack of one document that the balanced placement cuts exactly as the dense zigzag layout
+    (every piece a tile multiple) runs the dense ring: bit-identical to the dense call; a length
+    whose pieces differ keeps the packed ring, and both are exact."""
+    from ringfa4.parallel.layouts import chunk_bounds
+
+    cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference")
+    cu = torch.tensor([0, 0, L, L], dtype=torch.int32)  # empty documents around it
+    pack = cp.pack(cu)
+    dense_like = [n for _, n in chunk_bounds(L, 2 * P, TILE)] == [n for _, n in piece_bounds(L, 2 * P, TILE)]
+    assert pack.is_one_dense_sequence() == dense_like
+    g = torch.Generator().manual_seed(L)
+    q, k, v, do = (torch.randn(L, n, 8, generator=g).double() for n in (4, 2, 2, 4))
+    got = _run(cp, q, k, v, do, cu, {"causal": True})
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"one doc {L}")
+    if dense_like:
+        qq, kk, vv = (t.unsqueeze(0).clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, return_lse=True)
+        out.backward(do.unsqueeze(0))
+        for a, b in zip(got, (out[0].detach(), lse[0], qq.grad[0], kk.grad[0], vv.grad[0])):
+            assert torch.equal(a, b)

@@ -382,11 +382,28 @@ class Pack:
         tokens, or, simulated, the batch the simulated executor splits), so a hybrid's ring level
         computes the same blocks in both executors; else one varlen call on a lone rank."""
         cp = self.cp
+        if not use_schedule and self.is_one_dense_sequence():  # the dense ring's kernels and schedule
+            out, lse = cp._ring_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), spec, self.packing.total)
+            return out[0], lse[0]
         if cp.world_size == 1 and not use_schedule:  # the whole batch in global order: one varlen call
             cu, longest = self.packing.cu_seqlens(q.device), max(self.packing.doc_lengths, default=0)
             vspec = spec.replace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             return cp._ring_attention(q, k, v, vspec)
         return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather, spec.sinks)
+
+    def is_one_dense_sequence(self) -> bool:
+        """Whether this pack is one document placed exactly as the dense layout places a sequence of
+        its length (the balanced placement of a long document usually is): its attention then runs
+        the dense ring (fp32 epilogue merges, the accumulating backward's in-place head groups)."""
+        packing, cp = self.packing, self.cp
+        if cp.world_size == 1 or cp.ulysses != 1 or sum(1 for n in packing.doc_lengths if n) != 1:
+            return False
+        key = "_one_dense"
+        if key not in packing.__dict__:
+            same = all([(s.start, s.length) for s in packing.segments(r)] ==
+                       [(a, n) for a, n in cp.layout.segments(packing.total, r) if n] for r in range(cp.world_size))
+            packing.__dict__[key] = same
+        return packing.__dict__[key]
 
     def check_local(self, q, k, v, spec: AttnSpec, where: str) -> str | None:
         """This rank's packed tensors against the pack: the error message, or None."""
