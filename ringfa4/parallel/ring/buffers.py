@@ -9,7 +9,7 @@ import torch
 
 from .run import row_dim, with_rows
 
-__all__ = ["KVBuffers", "KVRing", "travelling"]
+__all__ = ["KVBuffers", "KVRing", "own_kv", "travelling"]
 
 class KVBuffers:
     """Flat buffers ``[k | v]`` sized for the largest rank (ranks may hold different counts: packed
@@ -52,6 +52,19 @@ def travelling(run, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> tuple[lis
     cut = lambda x, r: x if sched.travel_rows(r) == x.shape[row_dim(x)] else x.narrow(  # noqa: E731
         row_dim(x), 0, sched.travel_rows(r))
     return [cut(k, r) for k, r in zip(ks, ranks)], [cut(v, r) for v, r in zip(vs, ranks)]
+
+
+def own_kv(run, bufs: KVBuffers, ring: KVRing, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> list[tuple]:
+    """Per local rank the (k, v) its step 0 reads: the ring's current buffer where every row
+    travels (the dense path: the inputs themselves, or their contiguous copy), else its own K/V
+    whole (a balanced pack's whole documents are past the travelling prefix), made contiguous."""
+    out = []
+    for i, r in enumerate(run.ranks):
+        if run.schedule.travel_rows(r) == run.schedule.rows(r):
+            out.append(bufs.view(ring.cur[i], run.schedule.rows(r)))
+        else:
+            out.append((ks[i].contiguous(), vs[i].contiguous()))
+    return out
 
 
 class KVRing:

@@ -12,7 +12,7 @@ import torch
 from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
 from . import calls
-from .buffers import KVBuffers, KVRing, travelling
+from .buffers import KVBuffers, KVRing, own_kv, travelling
 from .run import RingRun, acc_dtype, cap_of, direct_home, lse_shape, row_dim, rows_of, travel_of, with_rows
 
 __all__ = ["EpilogueMerge", "ExactLse", "StepMerge", "forward_merge_strategy", "ring_forward"]
@@ -24,14 +24,14 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     (``(b, h, s)`` or ``(h, t)``)."""
     bufs = KVBuffers(ks[0], vs[0], cap_of(run))
     kv = KVRing(bufs, *travelling(run, ks, vs))
+    own = own_kv(run, bufs, kv, ks, vs)
     merge = forward_merge_strategy(run, qs, vs[0])
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
         handle = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
             # step 0: the rank's own K/V, whole documents included; later: what travelled here
-            k_t, v_t = (ks[i], vs[i]) if t == 0 else bufs.view(kv.cur[i], travel_of(run, run.schedule.source(r, t,
-                                                                                                           world)))
+            k_t, v_t = own[i] if t == 0 else bufs.view(kv.cur[i], travel_of(run, run.schedule.source(r, t, world)))
             rows = rows_of(run, r)
             for blk in run.schedule.blocks(r, t):
                 merge.block(i, blk, qs[i], k_t, v_t, rows)

@@ -8,7 +8,7 @@ import torch
 
 from .accum_sink import AccumGradSink, DenseGrads, HeadGroups, accum_states, grad_layout
 from .block_sink import BlockGradSink
-from .buffers import KVBuffers, KVRing, travelling
+from .buffers import KVBuffers, KVRing, own_kv, travelling
 from .protocols import GradSink
 from .run import RingRun, acc_dtype, cap_of, travel_of
 
@@ -25,12 +25,13 @@ class KVSide:
         self.run, self.ks, self.vs = run, ks, vs
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run))
         self.ring = KVRing(self.bufs, *travelling(run, ks, vs))
+        self.own = own_kv(run, self.bufs, self.ring, ks, vs)
         self.sink = grad_sink(run, (douts, qs, ks, vs, outs, lses), states)
         self.groups, self.in_place = self.sink.groups, self.sink.in_place
 
     def held(self, i: int, r: int, t: int):
         if t == 0:  # its own K/V, whole documents included; n: the rows of what travels
-            return (self.ks[i], self.vs[i]), travel_of(self.run, r)
+            return self.own[i], travel_of(self.run, r)
         n = travel_of(self.run, self.run.schedule.source(r, t, self.run.schedule.world_size))
         return self.bufs.view(self.ring.cur[i], n), n
 
