@@ -5,13 +5,12 @@ is one varlen call against the rank's own K/V) or **split**: cut into ``2P`` pie
 :func:`piece_bounds` (multiples of the backend's ``tile``, only the last non-empty piece shorter),
 two a rank, paired so that every rank's pair costs about the same (zigzag, pieces ``r`` and
 ``2P-1-r``, for equal pieces): a long document costs every rank about the same (the dense path's
-causal balance). Only split
-documents' K/V travel (ring hops or the all-gather); a pack whose documents all stay whole moves
-nothing.
+causal balance). Only split documents' K/V travel (ring hops or the all-gather); a pack whose
+documents all stay whole moves nothing.
 
 Cost model (per rank, the quantities the solver balances):
 
-- tokens: the rank's rows (activation memory; the per-rank cap below);
+- tokens: the rank's rows (activation memory; capped at ``token_bound x T`` below);
 - FLOPs: visible (query, key) pairs of causal attention, ``sum over its pieces of n (p + (n+1)/2)``
   for a piece of ``n`` tokens starting at position ``p`` of its document (a whole document of
   ``L`` tokens: ``L (L+1) / 2``); bidirectional attention doubles every rank's count alike, windows
@@ -27,7 +26,7 @@ contribute to every rank), the solver:
    others greedily in that order on the rank that minimizes ``max(tokens / T, pairs / F)`` after
    adding it (ties: the lowest rank): the longest-processing-time rule, whose result on FLOPs is
    at most ``F`` plus the largest whole document's pairs (the last document placed on the busiest
-   rank started below the mean);
+   rank started below the mean), plus what the split documents leave uneven;
 3. takes the smallest ``k`` (from the documents that cannot be whole: longer than the token cap)
    whose placement is within ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F``
    (defaults 1.08 and 1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling
@@ -35,7 +34,7 @@ contribute to every rank), the solver:
    the smallest ``max(tokens / T, pairs / F)``.
 
 Pure integer work, the same on every rank given the same cu_seqlens (the cross-rank check compares
-those); about 2 ms for 1,000 documents at P = 8 (``benchmarks/varlen_sim.py --solver``).
+those); 1.4 ms for 1,000 documents at P = 8 (``benchmarks/varlen_sim.py`` times it).
 """
 
 from __future__ import annotations
