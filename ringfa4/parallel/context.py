@@ -34,6 +34,7 @@ from .allgather import AllGatherSchedule, allgather_backward, allgather_forward,
 from .checks import CallShape, check_local, check_plan
 from .groups import DistributedGroup, SimulatedGroup, new_local_group
 from .layouts import HybridLayout, Layout, make_layout
+from .memo import cached_method
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import detect_nvlink_domain, plan_cp
 from .ring import RingRun, ring_backward, ring_forward, ring_schedule
@@ -391,6 +392,7 @@ class Pack:
             return cp._ring_attention(q, k, v, vspec)
         return _RingAttention.apply(q, k, v, cp, spec, self.packing, allgather, spec.sinks)
 
+    @cached_method
     def is_one_dense_sequence(self) -> bool:
         """Whether this pack is one document placed exactly as the dense layout places a sequence of
         its length (the balanced placement of a long document usually is): its attention then runs
@@ -398,12 +400,8 @@ class Pack:
         packing, cp = self.packing, self.cp
         if cp.world_size == 1 or cp.ulysses != 1 or sum(1 for n in packing.doc_lengths if n) != 1:
             return False
-        key = "_one_dense"
-        if key not in packing.__dict__:
-            same = all([(s.start, s.length) for s in packing.segments(r)] ==
-                       [(a, n) for a, n in cp.layout.segments(packing.total, r) if n] for r in range(cp.world_size))
-            packing.__dict__[key] = same
-        return packing.__dict__[key]
+        return all([(s.start, s.length) for s in packing.segments(r)] ==
+                   [(a, n) for a, n in cp.layout.segments(packing.total, r) if n] for r in range(cp.world_size))
 
     def check_local(self, q, k, v, spec: AttnSpec, where: str) -> str | None:
         """This rank's packed tensors against the pack: the error message, or None."""
