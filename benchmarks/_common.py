@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
 import ringfa4
+from ringfa4.parallel.ring import calls, ring_backward, ring_forward
 
 
 def rotating(fn, sets):
@@ -70,3 +73,48 @@ def ratio(timed: dict, a: str, b: str) -> dict:
     """Median, min and max over the rounds of :func:`interleaved_ms` of time(a) / time(b)."""
     per = [x / y for x, y in zip(timed[a]["rounds"], timed[b]["rounds"], strict=True)]
     return {"median": statistics.median(per), "min": min(per), "max": max(per)}
+
+
+def _shards(cp, cache: dict | None):
+    """Per-rank views of an input set: made in the timed call (api level), or once per set (executor)."""
+    def split(*ts):
+        if cache is None:
+            return [cp.comm.split(cp.layout, t, 1) for t in ts]
+        key = tuple(t.data_ptr() for t in ts)
+        if key not in cache:
+            cache[key] = [cp.comm.split(cp.layout, t, 1) for t in ts]
+        return cache[key]
+    return split
+
+
+def executor_step(cp, spec, backward):
+    """What the simulated ranks run on their shards: the ring forward (and backward)."""
+    split = _shards(cp, {})
+
+    def run(q, k, v, do):
+        qs, ks, vs, dos = split(q, k, v, do)
+        ring = cp.run(q, spec)
+        outs, lses = ring_forward(ring, qs, ks, vs)
+        if backward:
+            ring_backward(ring, dos, qs, ks, vs, outs, lses)
+    return run
+
+
+def calls_alone(cp, spec, be, backward, cache: dict | None = None):
+    """The same blocks as the simulated ring, without merges or hops (outputs to one scratch)."""
+    split = _shards(cp, cache)
+
+    def run(q, k, v, do):
+        qs, ks, vs, dos = split(q, k, v, do)
+        ring = cp.run(q, spec)
+        big = max(qs, key=lambda t: t.shape[1])  # uneven lengths: the largest rank's rows
+        o_s = torch.empty_like(big)
+        l_s = torch.empty(big.shape[0], big.shape[2], big.shape[1], device=q.device)
+        for r in ring.ranks:
+            for t in range(ring.active_steps):
+                src = ring.schedule.source(r, t, ring.schedule.world_size)
+                for b in ring.schedule.blocks(r, t):
+                    calls.forward(be, b, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
+                    if backward:
+                        calls.backward(be, b, (dos[r], qs[r], ks[src], vs[src], o_s, l_s), ring.spec)
+    return run

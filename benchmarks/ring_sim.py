@@ -27,13 +27,12 @@ import json
 import os
 
 import torch
-from _common import cp_step, full_call, interleaved_ms, median_ms, ratio
+from _common import calls_alone, cp_step, executor_step, full_call, interleaved_ms, median_ms, ratio
 
 import ringfa4
 from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend, resolve
 from ringfa4.parallel import LoopbackTransport
-from ringfa4.parallel.ring import calls
 
 
 class _NoCopyHops(LoopbackTransport):
@@ -70,53 +69,6 @@ def _inputs(S, h, d, n_sets):
     g = torch.Generator(device="cuda").manual_seed(0)
     return [[torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
             for _ in range(n_sets)]
-
-
-def _shards(cp, cache: dict | None):
-    """Per-rank views of an input set: made in the timed call (api level), or once per set (executor)."""
-    def split(*ts):
-        if cache is None:
-            return [cp.comm.split(cp.layout, t, 1) for t in ts]
-        key = tuple(t.data_ptr() for t in ts)
-        if key not in cache:
-            cache[key] = [cp.comm.split(cp.layout, t, 1) for t in ts]
-        return cache[key]
-    return split
-
-
-def _executor_step(cp, spec, backward):
-    """What the simulated ranks run on their shards: the ring forward (and backward)."""
-    from ringfa4.parallel.ring import ring_backward, ring_forward
-
-    split = _shards(cp, {})
-
-    def run(q, k, v, do):
-        qs, ks, vs, dos = split(q, k, v, do)
-        ring = cp.run(q, spec)
-        outs, lses = ring_forward(ring, qs, ks, vs)
-        if backward:
-            ring_backward(ring, dos, qs, ks, vs, outs, lses)
-    return run
-
-
-def _calls_alone(cp, spec, be, backward, cache: dict | None = None):
-    """The same blocks as the simulated ring, without merges or hops (outputs to one scratch)."""
-    split = _shards(cp, cache)
-
-    def run(q, k, v, do):
-        qs, ks, vs, dos = split(q, k, v, do)
-        ring = cp.run(q, spec)
-        big = max(qs, key=lambda t: t.shape[1])  # uneven lengths: the largest rank's rows
-        o_s = torch.empty_like(big)
-        l_s = torch.empty(big.shape[0], big.shape[2], big.shape[1], device=q.device)
-        for r in ring.ranks:
-            for t in range(ring.active_steps):
-                src = ring.schedule.source(r, t, ring.schedule.world_size)
-                for b in ring.schedule.blocks(r, t):
-                    calls.forward(be, b, qs[r], ks[src], vs[src], ring.spec, o_s, l_s)
-                    if backward:
-                        calls.backward(be, b, (dos[r], qs[r], ks[src], vs[src], o_s, l_s), ring.spec)
-    return run
 
 
 def _save(args, rows) -> None:
@@ -163,10 +115,10 @@ def main() -> None:
                     for level in {"both": ("api", "executor"), "api": ("api",), "executor": ("executor",)}[args.level]:
                         if level == "api":
                             fns = {"ring": cp_step(cp, backward, causal=causal),
-                                   "calls": _calls_alone(cp, spec, be, backward)}
+                                   "calls": calls_alone(cp, spec, be, backward)}
                         else:
-                            fns = {"ring": _executor_step(cp, spec, backward),
-                                   "calls": _calls_alone(cp, spec, be, backward, {})}
+                            fns = {"ring": executor_step(cp, spec, backward),
+                                   "calls": calls_alone(cp, spec, be, backward, {})}
                         timed = interleaved_ms(fns, sets, args.rounds, rep)
                         t_ring, t_calls = timed["ring"]["ms"], timed["calls"]["ms"]
                         over = ratio(timed, "ring", "calls")

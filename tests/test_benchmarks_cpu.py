@@ -33,16 +33,16 @@ def test_common_steps_run_and_rotate():
 
 
 def test_ring_sim_calls_alone_runs():
-    import ring_sim
+    from _common import calls_alone, executor_step
 
     cp = ringfa4.ContextParallel.simulated(4, backend="reference")
     be = get_backend("reference")
     for backward in (False, True):
-        ring_sim._calls_alone(cp, AttnSpec(causal=True), be, backward)(*_sets()[0])
+        calls_alone(cp, AttnSpec(causal=True), be, backward)(*_sets()[0])
         cache, inputs = {}, _sets()[0]
         for _ in range(2):  # executor level: shards made once per input set
-            ring_sim._calls_alone(cp, AttnSpec(causal=True), be, backward, cache)(*inputs)
-            ring_sim._executor_step(cp, AttnSpec(causal=True), backward)(*inputs)
+            calls_alone(cp, AttnSpec(causal=True), be, backward, cache)(*inputs)
+            executor_step(cp, AttnSpec(causal=True), backward)(*inputs)
         assert len(cache) == 1
 
 

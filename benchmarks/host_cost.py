@@ -1,0 +1,266 @@
+"""Host cost of ring attention: the host microseconds one call takes to enqueue, per rank-step.
+
+Method (the queued-sleep one): ``torch.cuda._sleep`` queues more GPU work than the call can take
+on the host, then the host time of enqueueing one call behind it is read with ``perf_counter``;
+the GPU is still busy with the sleep when the call returns, so the time is the host's alone. A
+call whose host time reaches the queued work waited for the GPU somewhere: it is flagged
+(``waited``). Median over ``--reps`` calls after warm-up. Per rank-step = the call's host time /
+(P x the schedule's active steps): the simulated executor runs every rank's steps in this process.
+
+Beside it, from the same run: the host time of a plain torch op, of upstream FA4's
+``flash_attn_func`` forward and forward+backward, and of ``ringfa4.attention`` with ``cp=None``;
+the kernel launches (kernels, copies, memsets the profiler sees) per rank-step; the efficiency at
+the same shapes (one full-sequence call / the ring's GPU-side wall time, executor level as in
+``ring_sim.py``) and ``of_calls_alone`` (the same rank's block calls alone / the ring); and with
+``--profile`` the functions where one call's host time goes (cProfile, own time, top 25).
+
+    python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--profile]
+        [--out benchmarks/results/host_cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+from _common import calls_alone, executor_step, full_call, interleaved_ms, median_ms
+
+import ringfa4
+from ringfa4.kernels import AttnSpec, get_backend, resolve
+from ringfa4.parallel.ring.run import active_steps
+
+H, HK, D = 32, 8, 128
+
+
+def sleep_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the GPU busy about ``ms`` milliseconds."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 10_000_000
+    start.record()
+    torch.cuda._sleep(n)
+    end.record()
+    end.synchronize()
+    return int(n * ms / start.elapsed_time(end))
+
+
+def host_us(fn, cycles: int, queued_ms: float, reps: int, warm: int = 3) -> dict:
+    """Median host microseconds of ``fn()`` enqueued behind ``cycles`` of queued GPU sleep;
+    ``waited``: a call took as long as the queued work (it synchronized with the GPU)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return {"us": statistics.median(times), "min_us": min(times), "waited": max(times) > 0.8e3 * queued_ms}
+
+
+def launches(fn) -> int:
+    """Kernels, copies and memsets one call of ``fn`` puts on the GPU (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def profile_top(fn, cycles: int, n: int = 30) -> dict:
+    """cProfile of one call enqueued behind queued GPU work: the ``n`` functions with the most own
+    time (``own``) and the most cumulative time (``cum``)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items():
+        rows.append({"function": f"{os.path.basename(file)}:{line}:{name}", "calls": nc,
+                     "own_us": tt * 1e6, "cum_us": ct * 1e6})
+    return {"own": sorted(rows, key=lambda r: -r["own_us"])[:n], "cum": sorted(rows, key=lambda r: -r["cum_us"])[:n]}
+
+
+def _dense_inputs(S: int, n_sets: int = 2):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [[torch.randn(1, S, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HK, HK, H)]
+            for _ in range(n_sets)]
+
+
+def _api_step(cp, backward: bool, packing=None):
+    def run(q, k, v, do):
+        if backward:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ringfa4.attention(q, k, v, cp=cp, causal=True, packing=packing)
+        if backward:
+            out.backward(do)
+    return run
+
+
+def _once(fn, sets):
+    state = {"i": 0}
+
+    def call():
+        fn(*sets[state["i"] % len(sets)])
+        state["i"] += 1
+    return call
+
+
+def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
+    """Host time of a plain torch op, upstream FA4's own entry points and ringfa4 ``cp=None``
+    (4k tokens, h = 32 / kv 8, d = 128, causal)."""
+    sets = _dense_inputs(4096)
+    q, k, v, do = sets[0]
+    rows = [{"what": "torch add", **host_us(lambda: q.add(1.0), cycles, queued_ms, reps)}]
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as exc:
+        print(f"(upstream FA4 not importable: {exc})")
+        flash_attn_func = None
+    for backward in (False, True):
+        name = "fwd+bwd" if backward else "fwd"
+        if flash_attn_func is not None:
+            def fa4(backward=backward):
+                qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+                out = flash_attn_func(qq, kk, vv, causal=True)
+                out = out[0] if isinstance(out, tuple) else out
+                if backward:
+                    out.backward(do)
+            rows.append({"what": f"FA4 flash_attn_func {name}", **host_us(fa4, cycles, queued_ms, reps)})
+        rows.append({"what": f"ringfa4 cp=None {name}",
+                     **host_us(_once(_api_step(None, backward), sets), cycles, queued_ms, reps)})
+    return rows
+
+
+def _pack_lengths(total: int, seed: int = 0) -> list[int]:
+    import random
+
+    rnd, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(rnd.randint(1024, 16384), total - sum(out)))
+    return out
+
+
+def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
+    S = tokens * P
+    sets = _dense_inputs(S)
+    cp = ringfa4.ContextParallel.simulated(P, backend=be)
+    spec = AttnSpec(causal=True)
+    steps = active_steps(cp.run(sets[0][0], spec).schedule)
+    rows = []
+    for backward in (False, True):
+        api = _once(_api_step(cp, backward), sets)
+        host = host_us(api, cycles, args.queued_ms, args.reps)
+        execu = host_us(_once(executor_step(cp, spec, backward), sets), cycles, args.queued_ms, args.reps)
+        fns = {"ring": executor_step(cp, spec, backward), "calls": calls_alone(cp, spec, be, backward, {})}
+        timed = interleaved_ms(fns, sets, rounds=3, rep=100)
+        t_full = median_ms(full_call(be, spec, backward), sets, 100)
+        rank_steps = P * steps
+        row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
+               "layout": "dense", "rank_steps": rank_steps, "us_per_rank_step": host["us"] / rank_steps,
+               "executor_us_per_rank_step": execu["us"] / rank_steps, "waited": host["waited"] or execu["waited"],
+               "launches_per_rank_step": launches(api) / rank_steps,
+               "efficiency": t_full / timed["ring"]["ms"], "of_calls_alone": timed["calls"]["ms"] / timed["ring"]["ms"],
+               "ring_ms": timed["ring"]["ms"], "calls_ms": timed["calls"]["ms"], "full_ms": t_full}
+        if args.profile:
+            row["profile"] = profile_top(api, cycles)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return rows
+
+
+def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
+    lengths = _pack_lengths(total)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = [[torch.randn(total, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HK, HK, H)]
+            for _ in range(2)]
+    cp = ringfa4.ContextParallel.simulated(P, backend=be)
+    pack = cp.pack(cu)
+    steps = active_steps(cp.run(sets[0][0], AttnSpec(causal=True), pack.packing,
+                                pack.uses_allgather(H, HK)).schedule)
+    rows = []
+    for backward in (False, True):
+        api = _once(_api_step(cp, backward, pack), sets)
+        host = host_us(api, cycles, args.queued_ms, args.reps)
+        rank_steps = P * steps
+        row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": total // P,
+               "layout": f"packed {len(lengths)} docs 1k-16k", "rank_steps": rank_steps,
+               "us_per_rank_step": host["us"] / rank_steps, "waited": host["waited"],
+               "launches_per_rank_step": launches(api) / rank_steps}
+        if args.profile:
+            row["profile"] = profile_top(api, cycles)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="4096,8192,32768", help="tokens per rank (dense)")
+    ap.add_argument("--worlds", default="4,8")
+    ap.add_argument("--packed", action="store_true", help="also one packed mix (64k tokens of 1k-16k documents)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one call of each row")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
+    ap.add_argument("--out", default="bench_results/host_cost.json")
+    args = ap.parse_args()
+    be = get_backend(resolve("auto", "cuda", torch.bfloat16))
+    cycles = sleep_cycles(args.queued_ms)
+    out = {"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D, "backend": be.name,
+           "queued_ms": args.queued_ms, "baselines": baselines(cycles, args.queued_ms, args.reps), "rows": []}
+    for b in out["baselines"]:
+        print(json.dumps(b), flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    for P in (int(p) for p in args.worlds.split(",")):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            out["rows"] += bench_dense(P, tokens, be, args, cycles)
+            save()
+            torch.cuda.empty_cache()
+        if args.packed:
+            out["rows"] += bench_packed(P, 65536, be, args, cycles)
+            save()
+    print(f"\nhost cost on {out['device']} ({be.name}, h={H}/{HK}, d={D}, bf16, causal, simulated, queued "
+          f"{args.queued_ms:.0f} ms)")
+    print("| baseline | host us |\n|---|---|")
+    for b in out["baselines"]:
+        print(f"| {b['what']} | {b['us']:.0f} |")
+    print("\n| layout | P | tokens/rank | pass | us/rank-step | executor us/rank-step | launches/rank-step "
+          "| efficiency | of calls alone | waited |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        print(f"| {r['layout']} | {r['P']} | {r['tokens_per_rank']} | {r['pass']} | {r['us_per_rank_step']:.0f} | "
+              f"{r.get('executor_us_per_rank_step', float('nan')):.0f} | {r['launches_per_rank_step']:.1f} | "
+              f"{r.get('efficiency', float('nan')):.3f} | {r.get('of_calls_alone', float('nan')):.3f} | "
+              f"{r['waited']} |")
+    if args.profile and out["rows"]:
+        for r in out["rows"][:2]:
+            for key in ("own", "cum"):
+                print(f"\nprofile ({key}): {r['layout']} P={r['P']} {r['tokens_per_rank']} tokens/rank {r['pass']}")
+                for p in r["profile"][key]:
+                    print(f"  {p['own_us']:9.0f} us own {p['cum_us']:9.0f} cum {p['calls']:6d}x {p['function']}")
+
+
+if __name__ == "__main__":
+    main()
