@@ -23,6 +23,7 @@ import torch
 from ..sinks import apply_sinks_
 from ..spec import AttnSpec, BackendUnsupported, check_grads
 from ..validate import known_empty_segment, validate_block
+from .launch import PlanCache, aligned, signature
 
 __all__ = ["Fa4Backend", "Fa4Unsupported"]
 
@@ -71,19 +72,24 @@ def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: tor
         raise Fa4Unsupported(f"{name} must have last-dim stride 1, got strides {t.stride()}")
 
 
-def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None):
-    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.fa4_forward_fp32`, varlen calls
-    through :func:`ringfa4.kernels.fa4.varlen_fwd.fa4_forward_fp32_varlen` (sm90; it raises
+def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None, plans: PlanCache,
+                  key: tuple | None):
+    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.prepare_forward` (the checked
+    path; its plan kept in ``plans`` under ``key`` when given and replayable), varlen calls through
+    :func:`ringfa4.kernels.fa4.varlen_fwd.fa4_forward_fp32_varlen` (sm90; it raises
     NotImplementedError on sm100, where the caller widens FA4's own forward instead)."""
     if spec.varlen:
         from .varlen_fwd import fa4_forward_fp32_varlen
 
         o, l, _ = fa4_forward_fp32_varlen(q, k, v, spec, out=out, lse=lse)
         return o, l
-    from .fp32_forward import fa4_forward_fp32
+    from .fp32_forward import prepare_forward
 
-    return fa4_forward_fp32(q, k, v, causal=spec.causal, softmax_scale=spec.scale(q.shape[-1]),
-                            window=(spec.window_left, spec.window_right), softcap=spec.softcap, out=out, lse=lse)
+    prepared = prepare_forward(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)), out, lse)
+    prepared.run()
+    if key is not None and prepared.replayable:
+        plans.put(key, prepared.plan)
+    return prepared.tensors[3], prepared.tensors[4]
 
 
 def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
@@ -134,6 +140,7 @@ class Fa4Backend:
 
     def __init__(self, untested_archs: bool = False) -> None:
         self.untested_archs = untested_archs
+        self._plans = PlanCache()  # prepared launches of checked calls (.launch): forward, forward_merge
 
     def _ran_here(self) -> bool:
         from .bwd_accum import _arch
@@ -151,6 +158,13 @@ class Fa4Backend:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
         -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
+        key = None
+        if out is not None and lse is not None and not spec.varlen and spec.sinks is None:
+            key = ("forward", spec, signature(q, k, v, out, lse))
+            plan = self._plans.get(key)
+            if plan is not None and aligned((q, k, v, out), 16) and aligned((lse,), 4):
+                plan(q, k, v, out, lse)
+                return out, lse
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
         lead = tuple(q.shape[:-2])
@@ -167,7 +181,7 @@ class Fa4Backend:
             return o, l
         if fp32_out:  # a float32 block output (no rounding before the merge): our fp32-epilogue kernel
             try:
-                return _forward_fp32(q, k, v, spec, out, lse)
+                return _forward_fp32(q, k, v, spec, out, lse, self._plans, key)
             except AssertionError as exc:
                 raise Fa4Unsupported(f"flash-attn-4 fp32-output forward refused this call: {exc}") from exc
             except (ValueError, TypeError, NotImplementedError):
@@ -264,6 +278,11 @@ class Fa4Backend:
         h, d)`` float32 and the running ``planes (b, h, 2, s_q)`` (M, S) updated in place;
         returns ``planes``, or None, touching nothing, where it cannot run (varlen,
         not sm90, d != d_v, head dims FA4 lacks): the caller then runs forward and a merge."""
+        key = ("merge", spec, signature(q, k, v, out_acc, planes))
+        plan = self._plans.get(key)
+        if plan is not None and aligned((q, k, v, out_acc), 16) and aligned((planes,), 4):
+            plan(q, k, v, out_acc, planes.select(2, 0))
+            return planes
         from . import epilogue_merge
         from .bwd_accum import _arch
 
@@ -278,11 +297,14 @@ class Fa4Backend:
         _check_buffer(out_acc, "out_acc", tuple(q.shape), torch.float32, q)
         epilogue_merge.check_planes(planes, q)
         try:
-            return epilogue_merge.fa4_forward_merge_(q, k, v, out_acc, planes, causal=spec.causal,
-                                                softmax_scale=spec.scale(q.shape[-1]),
-                                                window=(spec.window_left, spec.window_right), softcap=spec.softcap)
+            prepared = epilogue_merge.prepare_merge(q, k, v, out_acc, planes,
+                                                    spec.replace(window=(spec.window_left, spec.window_right)))
         except (ValueError, TypeError, NotImplementedError):  # head dims etc.: raised before anything ran
             return None
+        prepared.run()
+        if prepared.replayable:
+            self._plans.put(key, prepared.plan)
+        return planes
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        spec: AttnSpec) -> _Fa4Accum | None:

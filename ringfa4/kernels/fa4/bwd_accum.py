@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
+from .launch import PlanCache, aligned, plain, signature
 
 __all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
            "can_implement", "finish", "prepare"]
@@ -236,7 +237,15 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
     tile j of kv rows at ``[j * tile_n * d_r, (j + 1) * tile_n * d_r)``; dK without the softmax
     scale, as FA4 keeps it): the kv rows of the block are tiles 0.. of these views, so a block
     that starts at kv row k0 of a larger accumulator passes its narrow at ``k0 * d_r`` with k0 a
-    multiple of tile_n (:class:`TileKVLayout`). Rows past s_k in the last tile get exact zeros."""
+    multiple of tile_n (:class:`TileKVLayout`). Rows past s_k in the last tile get exact zeros.
+
+    A call whose signature (the state's tensors, k, v, the accumulators, the rows and mask) was
+    checked before replays that call's prepared launch (:mod:`.launch`)."""
+    key = (_state_signature(state), signature(k, v, dk_tiles, dv_tiles), q0, q1, causal, tuple(window))
+    plan = _PLANS.get(key)
+    if plan is not None and aligned((k, v), 16):
+        plan(state, k, v, dk_tiles, dv_tiles)
+        return plan.key
     q_all = state.q
     b, s_q, h, d = q_all.shape
     q1 = s_q if q1 is None else q1
@@ -262,30 +271,93 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
     from flash_attn.cute.testing import is_fake_mode
 
     fake = is_fake_mode()
-    lo = q0 - q0 % tm  # widen down to a tile boundary; rows outside [q0, q1) get lse_log2 = +inf
-    n = q1 - lo
-    n_r = _rup(n, tm)
-    if lo == q0 and (q1 == s_q or n == n_r):
-        lse_log2 = state.lse_log2.narrow(2, lo, n_r)  # narrow, not [], also works on fake CUDA tensors
-    else:
-        lse_log2 = torch.full((b, h, n_r), float("inf"), dtype=torch.float32, device=q_all.device)
-        if not fake:
-            lse_log2[:, :, q0 - lo:n] = state.lse_log2[:, :, q0:q1]
+    given = (k, v)
     k, v = (maybe_contiguous(t) for t in (k, v))
-    q, do = q_all.narrow(1, lo, n), state.dout.narrow(1, lo, n)
+    rows = _RowRange.of(state, q0, q1)
+    q, do, lse_log2, dpsum, dq_acc = rows.views(state, fake)
     size = _rup(s_k, kv_r) * d_r
-    tensors = [q, k, v, do, lse_log2, state.dpsum.narrow(2, lo, n_r),
-               state.dq_accum.narrow(2, lo * d_r, n_r * d_r), dk_tiles.narrow(2, 0, size), dv_tiles.narrow(2, 0, size)]
+    tensors = [q, k, v, do, lse_log2, dpsum, dq_acc, dk_tiles.narrow(2, 0, size), dv_tiles.narrow(2, 0, size)]
     causal, local, wl, wr = interface._resolve_causal_local_window(causal, wl, wr)
-    key = AccumKey(arch=state.arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal,
-                   local=local, has_window_left=wl is not None, has_window_right=wr is not None,
-                   softcap=state.softcap, broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, do)),
-                   single_q_block=n_r == tm, single_k_block=size == tn * d_r)
-    if key not in _CACHE:
-        _CACHE[key] = _compile(key, tensors, state.softmax_scale, wl, wr)
-    if not fake:
-        _CACHE[key](*_args([t.detach() for t in tensors], state.softmax_scale, wl, wr))
-    return key
+    acc_key = AccumKey(arch=state.arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal,
+                       local=local, has_window_left=wl is not None, has_window_right=wr is not None,
+                       softcap=state.softcap, broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, do)),
+                       single_q_block=rows.n_r == tm, single_k_block=size == tn * d_r)
+    if acc_key not in _CACHE:
+        _CACHE[acc_key] = _compile(acc_key, tensors, state.softmax_scale, wl, wr)
+    if fake:
+        return acc_key
+    plan = _TilePlan(_CACHE[acc_key], acc_key, rows, size, tuple(_args([None] * 9, state.softmax_scale, wl, wr)[9:]))
+    plan(state, k, v, dk_tiles, dv_tiles)
+    if all(a is b for a, b in zip(given, (k, v))):
+        _PLANS.put(key, plan)
+    return acc_key
+
+
+_PLANS = PlanCache()  # accumulate_tiles' prepared launches by call signature
+
+
+def _state_signature(state: BwdAccumState) -> tuple:
+    """What a block call's checks read of ``state`` (computed once per state)."""
+    sig = state.scratch.get("signature")
+    if sig is None:
+        sig = state.scratch["signature"] = (state.arch, state.softmax_scale, state.softcap, signature(
+            state.q, state.dout, state.dq_accum, state.dpsum, state.lse_log2))
+    return sig
+
+
+class _RowRange(NamedTuple):
+    """A block's query rows ``[q0, q1)`` widened down to a tile: from ``lo``, ``n`` rows, ``n_r``
+    rounded up to tile_m; ``padded``: rows outside ``[q0, q1)`` get ``lse_log2 = +inf``."""
+
+    q0: int
+    q1: int
+    lo: int
+    n: int
+    n_r: int
+    padded: bool
+
+    @classmethod
+    def of(cls, state: BwdAccumState, q0: int, q1: int) -> _RowRange:
+        tm, s_q = state.plan.tile_m, state.q.shape[1]
+        lo = q0 - q0 % tm
+        n = q1 - lo
+        n_r = _rup(n, tm)
+        return cls(q0, q1, lo, n, n_r, not (lo == q0 and (q1 == s_q or n == n_r)))
+
+    def views(self, state: BwdAccumState, fake: bool = False) -> tuple:
+        """``(q, dout, lse_log2, dpsum, dq_accum)`` of these rows, made once per state (the ring's
+        blocks of a backward share a few row ranges)."""
+        key = ("rows", self)
+        got = state.scratch.get(key)
+        if got is None:
+            lo, n, n_r, d_r = self.lo, self.n, self.n_r, state.head_dim_rounded
+            b, h = state.q.shape[0], state.q.shape[2]
+            if self.padded:
+                lse_log2 = torch.full((b, h, n_r), float("inf"), dtype=torch.float32, device=state.q.device)
+                if not fake:
+                    lse_log2[:, :, self.q0 - lo:n] = state.lse_log2[:, :, self.q0:self.q1]
+            else:
+                lse_log2 = state.lse_log2.narrow(2, lo, n_r)  # narrow, not [], also works on fake CUDA tensors
+            got = state.scratch[key] = (state.q.narrow(1, lo, n), state.dout.narrow(1, lo, n), lse_log2,
+                                        state.dpsum.narrow(2, lo, n_r), state.dq_accum.narrow(2, lo * d_r, n_r * d_r))
+        return got
+
+
+class _TilePlan(NamedTuple):
+    """accumulate_tiles' launch for one signature: the compiled kernel, its key, the rows, the
+    accumulators' length and the arguments after the nine tensors."""
+
+    fn: Any
+    key: AccumKey
+    rows: _RowRange
+    size: int
+    tail: tuple
+
+    def __call__(self, state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_tiles: torch.Tensor,
+                 dv_tiles: torch.Tensor) -> None:
+        q, do, lse_log2, dpsum, dq_acc = self.rows.views(state)
+        self.fn(plain(q), plain(k), plain(v), plain(do), lse_log2, dpsum, dq_acc,
+                dk_tiles.narrow(2, 0, self.size), dv_tiles.narrow(2, 0, self.size), *self.tail)
 
 
 class TileKVLayout:

@@ -39,10 +39,11 @@ import math
 
 import torch
 
-from .fp32_forward import Compiled, _forward, _sm90_class, _spec
+from ..spec import AttnSpec
+from .fp32_forward import Compiled, Prepared, _sm90_class, _spec, prepare_forward
 from .fp32_forward import compile_only as fp32_compile_only
 
-__all__ = ["can_implement", "check_planes", "compile_only", "fa4_forward_merge_"]
+__all__ = ["can_implement", "check_planes", "compile_only", "fa4_forward_merge_", "prepare_merge"]
 
 # The epilogue issues every global load (the rows' (M, S), the accumulator tile) before it computes
 # or stores anything (on the H200 that saved 0.1-0.9% of the kernel's time over loading the
@@ -173,10 +174,17 @@ def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_ac
     :func:`.fp32_forward.fa4_forward_fp32`) merged into ``out_acc (b, s_q, h, d)`` float32 and the
     running ``planes (b, h, 2, s_q)`` float32 (M, S) in place (see the module doc). Returns
     ``planes``."""
-    check_planes(planes, q)
-    _forward(q, k, v, _spec(causal, softmax_scale, window, softcap), out_acc, planes[:, :, 0],
-             merge_class=_sm90_merge_class)
+    prepare_merge(q, k, v, out_acc, planes, _spec(causal, softmax_scale, window, softcap)).run()
     return planes  # a block that ran nothing (no rows, or no keys) adds nothing
+
+
+def prepare_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_acc: torch.Tensor, planes: torch.Tensor,
+                  spec: AttnSpec) -> Prepared:
+    """The checked path of :func:`fa4_forward_merge_` for ``spec`` (causal, softmax_scale, window,
+    softcap): its launch prepared (:class:`~.fp32_forward.Prepared`; the plan takes the M plane,
+    ``planes.select(2, 0)``, as its lse), nothing run yet."""
+    check_planes(planes, q)
+    return prepare_forward(q, k, v, spec, out_acc, planes.select(2, 0), merge_class=_sm90_merge_class)
 
 
 def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,

@@ -36,8 +36,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..spec import AttnSpec
+from .launch import plain
 
-__all__ = ["Compiled", "Fp32Key", "compile_only", "fa4_forward_fp32"]
+__all__ = ["Compiled", "ForwardPlan", "Fp32Key", "Prepared", "compile_only", "fa4_forward_fp32", "prepare_forward"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -181,10 +182,14 @@ def _kernel_args(arch: int, tensors: tuple, launch: _Launch, cu: tuple = (None, 
     """The positional arguments after the kernel object, as FA4's interface passes them (no paged KV
     / seqused / sink / block sparsity / aux tensors / varlen scheduler hints; the env stream stays
     implicit); ``tensors`` = (q, k, v, o, lse), ``cu`` = (cu_seqlens_q, cu_seqlens_k) or Nones (dense)."""
+    return [*tensors, *_kernel_tail(arch, launch, cu)]
+
+
+def _kernel_tail(arch: int, launch: _Launch, cu: tuple = (None, None)) -> list:
+    """The arguments of :func:`_kernel_args` after the five tensors."""
     from flash_attn.cute.utils import AuxData
 
-    args = [*tensors, launch.softmax_scale, *cu, None, None, None, launch.window_left, launch.window_right,
-            None]
+    args = [launch.softmax_scale, *cu, None, None, None, launch.window_left, launch.window_right, None]
     if arch // 10 in (10, 11):
         return args + [None, None, AuxData(None, None)] + [None] * 7 + [launch.max_seqlen_q]
     return args + [None, AuxData(None, None), None, None]
@@ -259,12 +264,56 @@ def _spec(causal: bool, softmax_scale: float, window: tuple[int | None, int | No
     return AttnSpec(causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap)
 
 
+class ForwardPlan(NamedTuple):
+    """One dense fp32-output (or merging) forward launch, prepared (:mod:`.launch`): the compiled
+    kernel, the arguments after the five tensors, whether O / lse go in as FA4's one-split sm100
+    views, and the query rows such a split leaves unwritten (zeroed after the launch)."""
+
+    compiled: Compiled
+    tail: tuple
+    split: bool
+    empty_rows: tuple
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+                 ) -> None:
+        o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if self.split else (out, lse)
+        self.compiled.fn(plain(q), plain(k), plain(v), plain(o_k), plain(lse_k), *self.tail)
+        for lo, hi in self.empty_rows:
+            out[:, lo:hi].zero_()
+
+
+class Prepared(NamedTuple):
+    """A checked call: ``tensors`` (q, k, v, out, lse) as the kernel takes them, its ``plan`` (None:
+    nothing to launch, or fake tensors), the compile ``key`` (None when nothing compiled) and
+    ``replayable``: the plan runs any later call of the same signature (:func:`.launch.signature`)
+    on the caller's own tensors (no copy was made of q, k or v)."""
+
+    tensors: tuple
+    plan: ForwardPlan | None
+    key: Fp32Key | None
+    replayable: bool
+
+    def run(self) -> None:
+        if self.plan is not None:
+            self.plan(*self.tensors)
+
+
 def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
              merge_class: Callable[[], type] | None = None):
     """fa4_forward_fp32 for ``spec`` (causal, softmax_scale, window, softcap), also returning the
     cache key (None when nothing ran). ``merge_class``: the sm90 kernel class whose epilogue merges
     (:mod:`.epilogue_merge` passes its own; this module never imports it): out and lse are then the
     accumulator and running-lse plane of :func:`.epilogue_merge.fa4_forward_merge_` (required)."""
+    prepared = prepare_forward(q, k, v, spec, out, lse, arch, merge_class)
+    prepared.run()
+    return prepared.tensors[3], prepared.tensors[4], prepared.key
+
+
+def prepare_forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
+                    merge_class: Callable[[], type] | None = None) -> Prepared:
+    """The checked path of :func:`_forward`: validation, the outputs (allocated when None), FA4's
+    config, the compile; a call with no rows or no keys is finished here (nothing to launch).
+    Raises before anything ran."""
     merge = merge_class is not None
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -300,13 +349,13 @@ def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
     else:
         _check_out(lse, "lse", (b, h, s_q), q, 4)
     if s_q == 0 or b == 0:
-        return out, lse, None
+        return Prepared((q, k, v, out, lse), None, None, False)
     if s_k == 0:
-        if merge:  # no key: the block adds nothing to the accumulator
-            return out, lse, None
-        out.zero_()
-        lse.fill_(-math.inf)
-        return out, lse, None
+        if not merge:  # merging: no key, the block adds nothing to the accumulator
+            out.zero_()
+            lse.fill_(-math.inf)
+        return Prepared((q, k, v, out, lse), None, None, False)
+    given = (q, k, v)
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
     cfg = interface._get_fwd_config(
@@ -319,16 +368,16 @@ def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
                   q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
                   broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge)
     split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
-    o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
     launch = _Launch(softmax_scale, wl, wr, s_q)
     if key not in _CACHE:
+        o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
         _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch, merge_class or _sm90_class)
-    if not is_fake_mode():
-        _CACHE[key].fn(*_kernel_args(arch, tuple(t.detach() for t in (q, k, v, o_k, lse_k)), launch))
-        if split:  # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
-            for lo, hi in _empty_rows(s_q, s_k, causal, wl, wr):
-                out[:, lo:hi].zero_()
-    return out, lse, key
+    if is_fake_mode():
+        return Prepared((q, k, v, out, lse), None, key, False)
+    # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
+    empty = tuple(_empty_rows(s_q, s_k, causal, wl, wr)) if split else ()
+    plan = ForwardPlan(_CACHE[key], tuple(_kernel_tail(arch, launch)), split, empty)
+    return Prepared((q, k, v, out, lse), plan, key, all(a is b for a, b in zip(given, (q, k, v))))
 
 
 def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, causal: bool = False,

@@ -1,0 +1,132 @@
+"""Prepared launches (ringfa4.kernels.fa4.launch): a checked block call leaves a plan that later
+calls of the same signature replay.
+
+CPU: what the signature tells apart, the cache's bound, and the backend's dispatch (a stored plan
+runs for an equal signature without the checked path; any other stride, dtype or a misaligned
+pointer goes the checked path). GPU (``-m gpu``, sm90): the replayed forward, merging forward and
+accumulating backward give bit for bit what the checked path gives on the same data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from ringfa4.kernels import AttnSpec
+from ringfa4.kernels.fa4.launch import PlanCache, aligned, plain, signature
+
+
+def test_signature_tells_apart_what_the_checks_read():
+    x = torch.zeros(2, 8, 4, 16)
+    assert signature(x) == signature(torch.ones(2, 8, 4, 16))
+    assert signature(x) != signature(x.transpose(1, 2).contiguous().transpose(1, 2))  # strides
+    assert signature(x) != signature(x.double())
+    assert signature(x) != signature(torch.zeros(2, 9, 4, 16))
+    assert signature(x[:, :4]) != signature(torch.zeros(2, 4, 4, 16))  # a view keeps its parent's strides
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.zeros(2, 8, 4, 16)
+    assert signature(fake) != signature(x)  # fake tensors never match a real call's plan
+
+
+def test_plan_cache_is_bounded_and_plain_detaches():
+    cache = PlanCache(limit=3)
+    for i in range(3):
+        cache.put(i, str(i))
+    assert len(cache) == 3 and cache.get(0) == "0"
+    cache.put(3, "3")
+    assert len(cache) == 1 and cache.get(0) is None and cache.get(3) == "3"
+    x = torch.zeros(4, requires_grad=True)
+    assert not plain(x).requires_grad and plain(x).data_ptr() == x.data_ptr()
+    y = torch.zeros(4)
+    assert plain(y) is y
+    assert aligned((y,), 4) and not aligned((torch.zeros(8)[1:],), 8)
+
+
+def test_backend_replays_a_plan_only_for_its_signature(monkeypatch):
+    """A plan stored under a merge call's key runs for an equal call, skipping every check; a call
+    of other strides, or with a pointer off the 16-byte alignment, goes the checked path."""
+    from ringfa4.kernels.fa4 import backend as fa4
+
+    ran, checked = [], []
+    monkeypatch.setattr(fa4, "validate_block", lambda *a, **k: checked.append(1))
+    be = fa4.Fa4Backend()
+    q = torch.zeros(1, 64, 2, 16, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 32, 2, 16, dtype=torch.bfloat16)
+    out, planes = torch.zeros(1, 64, 2, 16), torch.zeros(1, 2, 2, 64)
+    spec = AttnSpec(causal=True)
+    be._plans.put(("merge", spec, signature(q, k, v, out, planes)), lambda *t: ran.append(t))
+    assert be.forward_merge(q, k, v, spec, out, planes) is planes
+    assert len(ran) == 1 and ran[0][4].data_ptr() == planes.data_ptr() and not checked
+    assert ran[0][4].shape == (1, 2, 64)  # the M plane
+    wide = torch.zeros(1, 64, 4, 16, dtype=torch.bfloat16)[:, :, :2]  # same shape, other strides
+    assert be.forward_merge(wide, k, v, spec, out, planes) is None  # checked path: not CUDA, declined
+    off = torch.zeros(1 * 64 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(1, 64, 2, 16)  # 2-byte aligned
+    assert signature(off, k, v, out, planes) == signature(q, k, v, out, planes)
+    assert be.forward_merge(off, k, v, spec, out, planes) is None
+    assert len(ran) == 1
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper (sm90) GPU")
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn-4 is not installed")
+
+
+def _bf16(*shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [AttnSpec(causal=True), AttnSpec(window=(96, 32)), AttnSpec(softcap=20.0)],
+                         ids=["causal", "window", "softcap"])
+def test_replayed_forwards_equal_the_checked_path(sm90, spec):
+    from ringfa4.kernels.fa4.backend import Fa4Backend
+
+    be = Fa4Backend()
+    b, s, h, hk, d = 1, 384, 8, 2, 128
+    for seed in range(3):  # seed 0 checks and stores the plans, 1 and 2 replay them
+        q, k, v = _bf16(b, s, h, d, seed=seed), _bf16(b, s, hk, d, seed=seed + 10), _bf16(b, s, hk, d, seed=seed + 20)
+        res = []
+        for backend in (be, Fa4Backend()):  # a fresh backend: the checked path
+            out, lse = torch.empty(b, s, h, d, device="cuda"), torch.empty(b, h, s, device="cuda")
+            backend.forward(q, k, v, spec, out=out, lse=lse)
+            acc, planes = out.clone(), torch.empty(b, h, 2, s, device="cuda")
+            planes[:, :, 0], planes[:, :, 1] = lse, 1.0
+            assert backend.forward_merge(q, k.flip(1), v.flip(1), spec, acc, planes) is planes
+            res.append((out, lse, acc, planes))
+        for x, y in zip(*res):
+            assert torch.equal(x, y)
+    assert len(be._plans) == 2
+
+
+@pytest.mark.gpu
+def test_replayed_accumulate_tiles_equals_the_checked_path(sm90):
+    from ringfa4.kernels.fa4 import bwd_accum as acc
+
+    b, s, h, hk, d = 1, 512, 8, 2, 128
+    scale = d ** -0.5
+    got = []
+    for replay in (False, True):
+        q, o, do = (_bf16(b, s, h, d, seed=i) for i in range(3))
+        k, v = _bf16(b, s, hk, d, seed=3), _bf16(b, s, hk, d, seed=4)
+        lse = torch.randn(b, h, s, device="cuda").abs() + 5
+        acc._PLANS.plans.clear()
+        for round_ in range(2 if replay else 1):  # replay: the second round runs from the plans
+            state = acc.prepare(q, o, do, lse, softmax_scale=scale)
+            layout = acc.TileKVLayout(state, k, s)
+            buf = torch.zeros(layout.numel, device="cuda")
+            for q0, q1, k0, k1, causal in ((0, s, 0, s, True), (256, s, 0, 256, False), (100, 300, 128, 512, False)):
+                acc.accumulate_tiles(state, k[:, k0:k1], v[:, k0:k1], *layout.cols(buf, s, k0, k1), q0=q0, q1=q1,
+                                     causal=causal)
+            if round_ == 0 and replay:
+                assert len(acc._PLANS) == 3
+        got.append((acc.finish(state, torch.float32), buf))
+    for x, y in zip(*got):  # dQ / dK / dV are reduce-added by many CTAs: equal up to the order of fp32 adds
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
