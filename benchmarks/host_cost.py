@@ -175,6 +175,7 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
         rank_steps = P * steps
         row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
                "layout": "dense", "rank_steps": rank_steps, "us_per_rank_step": host["us"] / rank_steps,
+               "min_us_per_rank_step": host["min_us"] / rank_steps,
                "executor_us_per_rank_step": execu["us"] / rank_steps, "waited": host["waited"] or execu["waited"],
                "launches_per_rank_step": launches(api) / rank_steps,
                "efficiency": t_full / timed["ring"]["ms"], "of_calls_alone": timed["calls"]["ms"] / timed["ring"]["ms"],
@@ -203,7 +204,8 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
         rank_steps = P * steps
         row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": total // P,
                "layout": f"packed {len(lengths)} docs 1k-16k", "rank_steps": rank_steps,
-               "us_per_rank_step": host["us"] / rank_steps, "waited": host["waited"],
+               "us_per_rank_step": host["us"] / rank_steps, "min_us_per_rank_step": host["min_us"] / rank_steps,
+               "waited": host["waited"],
                "launches_per_rank_step": launches(api) / rank_steps}
         if args.profile:
             row["profile"] = profile_top(api, cycles)
@@ -243,14 +245,15 @@ def main() -> None:
             save()
     print(f"\nhost cost on {out['device']} ({be.name}, h={H}/{HK}, d={D}, bf16, causal, simulated, queued "
           f"{args.queued_ms:.0f} ms)")
-    print("| baseline | host us |\n|---|---|")
+    print("| baseline | host us (median) | min |\n|---|---|---|")
     for b in out["baselines"]:
-        print(f"| {b['what']} | {b['us']:.0f} |")
-    print("\n| layout | P | tokens/rank | pass | us/rank-step | executor us/rank-step | launches/rank-step "
-          "| efficiency | of calls alone | waited |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        print(f"| {b['what']} | {b['us']:.0f} | {b['min_us']:.0f} |")
+    print("\n| layout | P | tokens/rank | pass | us/rank-step (median) | min | executor us/rank-step | "
+          "launches/rank-step | efficiency | of calls alone | waited |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         print(f"| {r['layout']} | {r['P']} | {r['tokens_per_rank']} | {r['pass']} | {r['us_per_rank_step']:.0f} | "
+              f"{r['min_us_per_rank_step']:.0f} | "
               f"{r.get('executor_us_per_rank_step', float('nan')):.0f} | {r['launches_per_rank_step']:.1f} | "
               f"{r.get('efficiency', float('nan')):.3f} | {r.get('of_calls_alone', float('nan')):.3f} | "
               f"{r['waited']} |")
