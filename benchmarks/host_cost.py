@@ -10,12 +10,17 @@ call whose host time reaches the queued work waited for the GPU somewhere: it is
 Beside it, from the same run: the host time of a plain torch op, of upstream FA4's
 ``flash_attn_func`` forward and forward+backward, and of ``ringfa4.attention`` with ``cp=None``;
 the kernel launches (kernels, copies, memsets the profiler sees) per rank-step; the efficiency at
-the same shapes (one full-sequence call / the ring's GPU-side wall time, executor level as in
-``ring_sim.py``) and ``of_calls_alone`` (the same rank's block calls alone / the ring); and with
-``--profile`` the functions where one call's host time goes (cProfile, own time, top 25).
+the same shapes (one full-sequence call / the API call's wall time: ``ring_sim.py``'s api level,
+which also splits and joins the simulated ranks' tensors) and ``of_calls_alone`` (the same ranks'
+block calls alone, executor level / the API call); ``executor_us_per_rank_step``: the host time of
+the ring forward / backward alone on already split shards (eager); and with ``--profile`` the
+functions where one call's host time goes (cProfile, own and cumulative time, top 30). The
+median is the headline; the device's host is noisy, so the minimum is kept beside it.
+``--graphs`` adds rows with ``RingOptions(cuda_graphs=True)`` (host time of a replay, its
+efficiency, ``graph_mib``: the graphs' memory).
 
-    python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--profile]
-        [--out benchmarks/results/host_cost.json]
+    python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--graphs]
+        [--profile] [--out benchmarks/results/host_cost.json]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 from _common import calls_alone, executor_step, full_call, interleaved_ms, median_ms
 
 import ringfa4
+from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend, resolve
 from ringfa4.parallel.ring.run import active_steps
 
@@ -159,31 +165,40 @@ def _pack_lengths(total: int, seed: int = 0) -> list[int]:
 
 
 def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
+    """Rows of one dense shape: per pass and mode (eager; graphs with ``--graphs``) the API call's
+    host time, launches, and its GPU time against one full-sequence call and the block calls alone."""
     S = tokens * P
     sets = _dense_inputs(S)
-    cp = ringfa4.ContextParallel.simulated(P, backend=be)
     spec = AttnSpec(causal=True)
-    steps = active_steps(cp.run(sets[0][0], spec).schedule)
+    modes = ("eager", "graphs") if args.graphs else ("eager",)
+    cps = {m: ringfa4.ContextParallel.simulated(P, backend=be, options=RingOptions(cuda_graphs=m == "graphs"))
+           for m in modes}
+    steps = active_steps(cps["eager"].run(sets[0][0], spec).schedule)
+    rank_steps = P * steps
     rows = []
     for backward in (False, True):
-        api = _once(_api_step(cp, backward), sets)
-        host = host_us(api, cycles, args.queued_ms, args.reps)
-        execu = host_us(_once(executor_step(cp, spec, backward), sets), cycles, args.queued_ms, args.reps)
-        fns = {"ring": executor_step(cp, spec, backward), "calls": calls_alone(cp, spec, be, backward, {})}
-        timed = interleaved_ms(fns, sets, rounds=3, rep=100)
         t_full = median_ms(full_call(be, spec, backward), sets, 100)
-        rank_steps = P * steps
-        row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
-               "layout": "dense", "rank_steps": rank_steps, "us_per_rank_step": host["us"] / rank_steps,
-               "min_us_per_rank_step": host["min_us"] / rank_steps,
-               "executor_us_per_rank_step": execu["us"] / rank_steps, "waited": host["waited"] or execu["waited"],
-               "launches_per_rank_step": launches(api) / rank_steps,
-               "efficiency": t_full / timed["ring"]["ms"], "of_calls_alone": timed["calls"]["ms"] / timed["ring"]["ms"],
-               "ring_ms": timed["ring"]["ms"], "calls_ms": timed["calls"]["ms"], "full_ms": t_full}
-        if args.profile:
-            row["profile"] = profile_top(api, cycles)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        execu = host_us(_once(executor_step(cps["eager"], spec, backward), sets), cycles, args.queued_ms, args.reps)
+        fns = {m: _api_step(cps[m], backward) for m in modes}
+        fns["calls"] = calls_alone(cps["eager"], spec, be, backward, {})
+        timed = interleaved_ms(fns, sets, rounds=3, rep=100)
+        for mode in modes:
+            api = _once(fns[mode], sets)
+            host = host_us(api, cycles, args.queued_ms, args.reps)
+            ring_ms = timed[mode]["ms"]
+            row = {"mode": mode, "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
+                   "layout": "dense", "rank_steps": rank_steps, "us_per_rank_step": host["us"] / rank_steps,
+                   "min_us_per_rank_step": host["min_us"] / rank_steps, "waited": host["waited"],
+                   "launches_per_rank_step": launches(api) / rank_steps,
+                   "efficiency": t_full / ring_ms, "of_calls_alone": timed["calls"]["ms"] / ring_ms,
+                   "ring_ms": ring_ms, "calls_ms": timed["calls"]["ms"], "full_ms": t_full,
+                   "graph_mib": cps[mode].graph_memory() / 2**20}
+            if mode == "eager":
+                row["executor_us_per_rank_step"] = execu["us"] / rank_steps
+            if args.profile:
+                row["profile"] = profile_top(api, cycles)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return rows
 
 
@@ -220,6 +235,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--packed", action="store_true", help="also one packed mix (64k tokens of 1k-16k documents)")
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each row")
+    ap.add_argument("--graphs", action="store_true", help="also RingOptions(cuda_graphs=True) rows")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
@@ -248,11 +264,12 @@ def main() -> None:
     print("| baseline | host us (median) | min |\n|---|---|---|")
     for b in out["baselines"]:
         print(f"| {b['what']} | {b['us']:.0f} | {b['min_us']:.0f} |")
-    print("\n| layout | P | tokens/rank | pass | us/rank-step (median) | min | executor us/rank-step | "
+    print("\n| layout | mode | P | tokens/rank | pass | us/rank-step (median) | min | executor us/rank-step | "
           "launches/rank-step | efficiency | of calls alone | waited |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
-        print(f"| {r['layout']} | {r['P']} | {r['tokens_per_rank']} | {r['pass']} | {r['us_per_rank_step']:.0f} | "
+        print(f"| {r['layout']} | {r['mode']} | {r['P']} | {r['tokens_per_rank']} | {r['pass']} | "
+              f"{r['us_per_rank_step']:.0f} | "
               f"{r['min_us_per_rank_step']:.0f} | "
               f"{r.get('executor_us_per_rank_step', float('nan')):.0f} | {r['launches_per_rank_step']:.1f} | "
               f"{r.get('efficiency', float('nan')):.3f} | {r.get('of_calls_alone', float('nan')):.3f} | "

@@ -52,6 +52,9 @@ class RingOptions:
         ``"cute"``, ``"triton"`` or ``"torch"``.
     timeout_s: seconds any collective or ring hop may wait (> 0).
     nvlink_domain: GPUs per NVLink domain for the (Ulysses, ring) planner; None: detected.
+    cuda_graphs: capture each ring forward and backward once per call key (shapes, spec, options)
+        and replay it (:mod:`ringfa4.parallel.ring.graphs`: the simulated executor, dense; other
+        calls run eagerly and say why once).
     """
 
     fp32_partials: bool = True
@@ -63,9 +66,10 @@ class RingOptions:
     merge_kernel: str = "auto"
     timeout_s: float = 300.0
     nvlink_domain: int | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fp32_partials", "fp32_grads", "epilogue_merge"):
+        for name in ("fp32_partials", "fp32_grads", "epilogue_merge", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RingOptions.{name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("bwd_ring", _BWD_RINGS), ("dkv_wire", _WIRES), ("merge_kernel", _MERGE_KERNELS)):
@@ -183,6 +187,7 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "RINGFA4_MERGE": ("merge_kernel", str),
     "RINGFA4_TIMEOUT_S": ("timeout_s", float),
     "RINGFA4_NVLINK_DOMAIN": ("nvlink_domain", _count),
+    "RINGFA4_CUDA_GRAPHS": ("cuda_graphs", _flag(False)),
 }
 """Each ``RINGFA4_*`` variable :meth:`RingOptions.from_env` reads: the field it sets and its parser."""
 

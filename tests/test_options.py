@@ -43,7 +43,8 @@ def test_bad_values_name_the_field_and_the_allowed_values(kwargs, message):
 def test_defaults_frozen_and_hashable():
     o = RingOptions()
     assert (o.fp32_partials, o.fp32_grads, o.epilogue_merge, o.bwd_ring, o.dkv_groups, o.dkv_wire,
-            o.merge_kernel, o.timeout_s, o.nvlink_domain) == (True, True, True, "auto", 2, "fp32", "auto", 300.0, None)
+            o.merge_kernel, o.timeout_s, o.nvlink_domain, o.cuda_graphs) == (
+        True, True, True, "auto", 2, "fp32", "auto", 300.0, None, False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.dkv_groups = 3
     assert hash(o) == hash(RingOptions()) and o != o.replace(dkv_groups=1)
@@ -53,10 +54,10 @@ def test_from_env_parses_every_variable():
     env = {"RINGFA4_FP32_PARTIALS": "0", "RINGFA4_FP32_GRADS": "auto", "RINGFA4_EPILOGUE_MERGE": "0",
            "RINGFA4_BWD_RING": "q", "RINGFA4_DKV_GROUPS": "4", "RINGFA4_DKV_WIRE": "input",
            "RINGFA4_MERGE": "triton", "RINGFA4_TIMEOUT_S": "12.5", "RINGFA4_NVLINK_DOMAIN": "72",
-           "OTHER": "x"}
+           "RINGFA4_CUDA_GRAPHS": "1", "OTHER": "x"}
     assert RingOptions.from_env(env) == RingOptions(
         fp32_partials=False, fp32_grads=True, epilogue_merge=False, bwd_ring="q", dkv_groups=4, dkv_wire="input",
-        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72)
+        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72, cuda_graphs=True)
     assert set(options_module.ENV_FIELDS) == {v for v in env if v != "OTHER"}
     assert {f for f, _ in options_module.ENV_FIELDS.values()} == set(RingOptions.field_names())
     assert RingOptions.from_env({}) == RingOptions()
@@ -85,12 +86,13 @@ def test_from_mapping_rejects_unknown_keys():
 
 def test_encode_round_trips_every_field():
     o = RingOptions(fp32_partials=False, bwd_ring="q", dkv_groups=3, dkv_wire="input", merge_kernel="torch",
-                    timeout_s=12.25, nvlink_domain=8)
+                    timeout_s=12.25, nvlink_domain=8, cuda_graphs=True)
     codes = o.encode()
     assert len(codes) == len(RingOptions.field_names()) and all(isinstance(c, int) for c in codes)
     assert {n: RingOptions.decode_field(n, c) for n, c in zip(RingOptions.field_names(), codes)} == \
         dataclasses.asdict(o)
-    assert RingOptions.decode_field("nvlink_domain", RingOptions().encode()[-1]) is None
+    names = RingOptions.field_names()
+    assert RingOptions.decode_field("nvlink_domain", RingOptions().encode()[names.index("nvlink_domain")]) is None
 
 
 def test_set_variables_warn_once_naming_the_field(monkeypatch):

@@ -18,6 +18,7 @@ of U consecutive ranks (the NVLink domain), the ring across the R = P/U groups.
 from __future__ import annotations
 
 import datetime
+import functools
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from .layouts import HybridLayout, Layout, make_layout
 from .memo import cached_method
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import detect_nvlink_domain, plan_cp
-from .ring import RingRun, ring_backward, ring_forward, ring_schedule
+from .ring import RingGraphs, RingRun, ring_backward, ring_forward, ring_schedule
 from .transport import LoopbackTransport
 from .ulysses import HeadSplit, expand_kv_heads
 from .varlen import PackedRingSchedule
@@ -64,6 +65,7 @@ class ContextParallel:
             options = options.replace(timeout_s=timeout.total_seconds())
         warn_ignored_env()
         self.options, self.backend_name, self.plan = options, backend, None
+        self.graphs = RingGraphs() if options.cuda_graphs else None  # captured ring calls (ring/graphs.py)
         if _simulated is not None:
             self.comm = SimulatedGroup(_simulated, _transport)
         else:
@@ -107,6 +109,17 @@ class ContextParallel:
                 self._ring.comm.rebind(ring_new)
 
             self.comm.on_new_epoch = renew
+
+    def graph_memory(self) -> int:
+        """Bytes of device memory this group's CUDA graphs keep (``RingOptions.cuda_graphs``; 0 without)."""
+        return sum(g.memory_bytes() for g in {id(x): x for x in (self.graphs, self._ring.graphs) if x}.values())
+
+    def graphed(self, fn):
+        """``fn(run, *per-rank lists)`` (a ring forward or backward), replayed from a CUDA graph
+        where ``RingOptions.cuda_graphs`` asks and the call can be captured (:mod:`.ring.graphs`)."""
+        if self.graphs is None:
+            return fn
+        return functools.partial(self.graphs.call, fn)
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -291,7 +304,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.fns = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
         kept = replay_output()  # a checkpoint recompute with the forward's (out, lse) kept
         if kept is None:
-            outs, lses = cp.comm.guard(ctx.fns[0], run, qs, ks, vs)
+            outs, lses = cp.comm.guard(cp.graphed(ctx.fns[0]), run, qs, ks, vs)
             out, lse = cp.comm.join(place, outs, dim), cp.comm.join(place, lses, dim + 1)
             record_output(out, lse)
         else:
@@ -308,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
         cp, run, place, dim = ctx.cp, ctx.run, ctx.place, ctx.dim
         qs, ks, vs, outs, lses = ctx.parts
         douts = cp.comm.split(place, dout.contiguous(), dim)
-        dqs, dks, dvs = cp.comm.guard(ctx.fns[1], run, douts, qs, ks, vs, outs, lses)
+        dqs, dks, dvs = cp.comm.guard(cp.graphed(ctx.fns[1]), run, douts, qs, ks, vs, outs, lses)
         ctx.parts = None
         dsinks = None
         if ctx.sink_io is not None and ctx.needs_input_grad[7]:

@@ -8,8 +8,9 @@ side travelling, gradients into the backend's accumulators).
 
 from .backward import backward_side, hop_bytes, ring_backward
 from .forward import ExactLse, ring_forward
+from .graphs import RingGraphs
 from .run import RingRun
 from .schedule import RingSchedule, ring_schedule
 
-__all__ = ["ExactLse", "RingRun", "RingSchedule", "backward_side", "hop_bytes", "ring_backward", "ring_forward",
-           "ring_schedule"]
+__all__ = ["ExactLse", "RingGraphs", "RingRun", "RingSchedule", "backward_side", "hop_bytes", "ring_backward",
+           "ring_forward", "ring_schedule"]

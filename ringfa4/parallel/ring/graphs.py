@@ -1,0 +1,131 @@
+"""CUDA graphs of the ring (``RingOptions.cuda_graphs``): a call's ring forward and its backward,
+hops included, captured once per call key and replayed.
+
+The key is everything the captured work depends on: the step function (ring forward / backward),
+the schedule (layout, sequence length, mask), the ranks, the block spec, the options, the backend
+and the shape, strides, dtype and device of every input. The first call of a key runs once eagerly
+on a side stream (compiles, lazy initialisations, the backends' prepared launches), then is
+captured on static copies of its inputs; every call of that key (this one included) copies its
+inputs into those, replays the graph and hands back copies of the outputs (the next layer's replay
+reuses the graph's buffers). The loopback hops are copies on the transport's stream, forked from
+and joined back into the captured stream, so they are part of the graph. All graphs of a
+``ContextParallel`` share one memory pool; :meth:`RingGraphs.memory_bytes` is what the static
+inputs and the captures keep allocated.
+
+Where a call cannot be captured it runs eagerly, and the reason is said once (a UserWarning):
+tensors not on CUDA, a distributed group (its hops wait on the error channel with a timeout on
+the host: not capturable yet), packed documents (a new pack is a new schedule), sinks, a capture
+already in progress (the caller's own graph), or a capture that failed (the key then stays eager).
+With the deterministic block backward a replay is bit-identical to the eager call; the default
+accumulating backward reduces with atomics, in eager as in a replay.
+
+Failure detection in graph mode: the simulated executor has no peers to wait on, so a replay has
+no timeout; a bad input is still refused before the replay by the same checks as in eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ..transport import LoopbackTransport
+from .run import RingRun
+from .schedule import RingSchedule
+
+__all__ = ["RingGraphs"]
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # flat static inputs, in the order of the call's flattened lists
+    outputs: tuple[list[torch.Tensor], ...]
+
+
+def _flat(lists: tuple[list[torch.Tensor], ...]) -> list[torch.Tensor]:
+    return [t for lst in lists for t in lst]
+
+
+def _unflat(flat: list[torch.Tensor], lists: tuple[list[torch.Tensor], ...]) -> tuple[list[torch.Tensor], ...]:
+    out, at = [], 0
+    for lst in lists:
+        out.append(flat[at:at + len(lst)])
+        at += len(lst)
+    return tuple(out)
+
+
+class RingGraphs:
+    """The captured ring calls of one ``ContextParallel`` (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.captured: dict[tuple, _Captured | None] = {}  # None: this key runs eagerly
+        self.pool = None
+        self.said: set[str] = set()
+        self.bytes = 0
+
+    def memory_bytes(self) -> int:
+        """Device memory the captures keep: static inputs, the graphs' live outputs and pool."""
+        return self.bytes
+
+    def _say(self, reason: str) -> None:
+        if reason not in self.said:
+            self.said.add(reason)
+            warnings.warn(f"ringfa4: RingOptions.cuda_graphs: {reason}; this call runs eagerly", UserWarning,
+                          stacklevel=4)
+
+    def why_not(self, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> str | None:
+        """Why this call cannot be captured, or None."""
+        first = lists[0][0]
+        if first.device.type != "cuda":
+            return "needs CUDA tensors"
+        if not isinstance(run.transport, LoopbackTransport):
+            return "captures the simulated executor only (a distributed group's hops wait on the host)"
+        if not isinstance(run.schedule, RingSchedule):
+            return "packed documents are not captured (every pack is a new schedule)"
+        if run.sinks is not None:
+            return "sinks are not captured"
+        if torch.cuda.is_current_stream_capturing():
+            return "a capture is already in progress"
+        return None
+
+    def call(self, fn: Callable, run: RingRun, *lists: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+        """``fn(run, *lists)`` (a ring forward or backward on per-rank tensor lists), replayed from
+        its graph where it can be, else eagerly."""
+        reason = self.why_not(run, lists)
+        if reason is not None:
+            self._say(reason)
+            return fn(run, *lists)
+        flat = _flat(lists)
+        key = (fn, run.schedule, run.ranks, run.spec, run.options, id(run.backend),
+               tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat), tuple(len(lst) for lst in lists))
+        if key not in self.captured:
+            self.captured[key] = self._capture(fn, run, lists)
+        cap = self.captured[key]
+        if cap is None:
+            return fn(run, *lists)
+        for dst, src in zip(cap.inputs, flat):
+            dst.copy_(src)
+        cap.graph.replay()
+        return tuple([o.clone() for o in lst] for lst in cap.outputs)
+
+    def _capture(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> _Captured | None:
+        before = torch.cuda.memory_allocated()
+        static = _unflat([t.detach().clone() for t in _flat(lists)], lists)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # once eagerly: compiles, lazy inits, prepared launches
+            fn(run, *static)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn(run, *static)
+        except Exception as exc:  # a step that cannot be captured (a host sync, an unsupported call)
+            self._say(f"capture failed ({type(exc).__name__}: {exc})")
+            return None
+        self.bytes += torch.cuda.memory_allocated() - before
+        return _Captured(graph, _flat(static), tuple(list(o) for o in outputs))

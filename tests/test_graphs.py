@@ -1,0 +1,96 @@
+"""CUDA graphs of the ring (RingOptions.cuda_graphs, ringfa4.parallel.ring.graphs).
+
+CPU: a call that cannot be captured (CPU tensors, packed documents) runs eagerly with the same
+result and says why once. GPU (``-m gpu``, simulated executor, the auto backend): replays are bit
+for bit the eager calls (forward; backward with the deterministic block backward), also with two
+layers of the same shape interleaved (each replay reuses the graph's buffers), the default
+accumulating backward is within the eager error against float64, and the graphs report their
+memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import random_qkv, reference_grads, rel_err
+
+import ringfa4
+from ringfa4 import RingOptions
+
+
+def _run(cp, q, k, v, do, **kw):
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, return_lse=True, **kw)
+    out.backward(do)
+    return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
+
+
+def test_uncapturable_calls_run_eagerly_and_say_why_once():
+    q, k, v, do = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.float64, seed=0)
+    eager = ringfa4.ContextParallel.simulated(4, backend="reference")
+    graphed = ringfa4.ContextParallel.simulated(4, backend="reference", options=RingOptions(cuda_graphs=True))
+    want = _run(eager, q, k, v, do, causal=True)
+    with pytest.warns(UserWarning, match="needs CUDA tensors") as caught:
+        got = _run(graphed, q, k, v, do, causal=True)
+    assert len([w for w in caught if "cuda_graphs" in str(w.message)]) == 1  # forward and backward: said once
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _run(graphed, q, k, v, do, causal=True)  # said once per reason
+    assert graphed.graph_memory() == 0 and eager.graph_memory() == 0
+
+
+def test_graphs_option_reaches_the_check_and_the_hybrid_ring():
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference", ulysses=2, options=RingOptions(cuda_graphs=True))
+    assert cp.graphs is not None and cp._ring.graphs is not None
+    assert "options.cuda_graphs" in __import__("ringfa4.parallel.checks", fromlist=["_FIELDS"])._FIELDS
+
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+def test_replays_equal_eager_bit_for_bit():
+    _gpu()
+    P, kw = 4, {"causal": True, "deterministic": True}
+    eager = ringfa4.ContextParallel.simulated(P)
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing falls back
+        for seed in range(3):  # seed 0 captures, 1 and 2 replay
+            q, k, v, do = random_qkv(1, 8192, 8192, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=seed)
+            want = _run(eager, q, k, v, do, **kw)
+            got = _run(graphed, q, k, v, do, **kw)
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                assert torch.equal(a, b), (seed, name)
+    assert len(graphed.graphs.captured) == 2 and all(graphed.graphs.captured.values())
+    assert graphed.graph_memory() > 0
+
+
+@pytest.mark.gpu
+def test_interleaved_layers_and_the_accumulating_backward():
+    """Two layers of the same shape (forward 1, forward 2, backward 2, backward 1, as autograd runs
+    them) through one graph pair: each layer's result equals its eager call (forward bit for bit;
+    the default backward, whose fp32 reductions are atomic, within the eager error vs float64)."""
+    _gpu()
+    P, kw = 8, {"causal": True}
+    eager = ringfa4.ContextParallel.simulated(P)
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    layers = [random_qkv(1, 8192, 8192, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=10 + i)
+              for i in range(2)]
+    for cp in (graphed, graphed):  # the second round replays
+        ins = [[t.clone().requires_grad_() for t in layer[:3]] for layer in layers]
+        outs = [ringfa4.attention(*x, cp=cp, return_lse=True, **kw) for x in ins]
+        torch.autograd.backward([o for o, _ in outs], [layer[3] for layer in layers])
+    for layer, x, (o, l) in zip(layers, ins, outs):
+        q, k, v, do = layer
+        want = _run(eager, q, k, v, do, **kw)
+        assert torch.equal(o.detach(), want[0]) and torch.equal(l, want[1])
+        ref = reference_grads(q, k, v, do, **kw)
+        for name, g, e, r in zip(("dq", "dk", "dv"), (x[0].grad, x[1].grad, x[2].grad), want[2:], ref[2:]):
+            assert rel_err(g, r) <= 1.05 * rel_err(e, r) + 1e-6, name
