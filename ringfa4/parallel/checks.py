@@ -119,21 +119,14 @@ class CPGroup(Protocol):
     options: RingOptions
 
 
-def _control_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def gather_ints(comm, call: int, values: list[int], what: str) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank) through one all-gather on
     ``comm``'s control group, watched by its error channel: ``rows[r]`` is rank r's."""
-    group, world = comm.control, comm.world_size
-    device = _control_device(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    every = torch.empty(world * len(values), dtype=torch.int64, device=device)
+    group, world = comm.control, comm.world_size  # a gloo group: CPU tensors, off the GPU queue
+    mine = torch.tensor(values, dtype=torch.int64)
+    every = torch.empty(world * len(values), dtype=torch.int64)
     work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
-    comm.channel.wait(work, call, what)
+    comm.channel.wait(work, call, what, gloo=True)
     return every.view(world, len(values)).tolist()
 
 

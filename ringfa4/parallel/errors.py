@@ -155,11 +155,13 @@ class Channel:
                            f"first ({msg if msg.startswith(prefix) else prefix + msg})", found["rank"])
 
     # -- waiting -----------------------------------------------------------------------------
-    def wait(self, work, call: int, what: str, peers: list[int] | None = None) -> None:
+    def wait(self, work, call: int, what: str, peers: list[int] | None = None, gloo: bool | None = None) -> None:
         """Wait for ``work`` (of ``call``; ``peers``: the ranks it depends on, CP-group ranks, None:
         all): return when it completed, raise the posted root cause within about a second of its
-        posting, name a dead peer, or at the timeout name the ranks that never arrived."""
-        if not self.gloo:
+        posting, name a dead peer, or at the timeout name the ranks that never arrived. ``gloo``:
+        whether ``work`` is a gloo collective, waited in slices while the store is watched
+        (default: whether the group's data is; the metadata checks' control group always is)."""
+        if not (self.gloo if gloo is None else gloo):
             try:
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
             except Exception as exc:

@@ -119,13 +119,13 @@ def new_local_group(ranks: list[int], timeout: datetime.timedelta):
 
 
 def _control_group(group, ranks: list[int], timeout: datetime.timedelta):
-    """The gloo group the metadata checks of ``ranks`` run on, one per rank set (no data ever
-    moves on it, so a failed call's leftovers never meet the next call's check); NCCL: ``group``."""
-    if dist.get_backend(group) != "gloo":
-        return group
+    """The gloo group the metadata checks of ``ranks`` run on, one per rank set, whatever the data
+    group's backend: no data ever moves on it, so a failed call's leftovers never meet the next
+    call's check, and its tensors live on the CPU, so a check never waits for the GPU queue (an
+    all-gather on an NCCL group and its ``.tolist()`` drained the queue once per call)."""
     key = (id(dist.distributed_c10d._get_default_group()), tuple(ranks))
     if key not in _CONTROL:
-        _CONTROL[key] = new_local_group(ranks, timeout)
+        _CONTROL[key] = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
     return _CONTROL[key]
 
 
