@@ -356,8 +356,9 @@ class _TilePlan(NamedTuple):
     def __call__(self, state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_tiles: torch.Tensor,
                  dv_tiles: torch.Tensor) -> None:
         q, do, lse_log2, dpsum, dq_acc = self.rows.views(state)
-        self.fn(plain(q), plain(k), plain(v), plain(do), lse_log2, dpsum, dq_acc,
-                dk_tiles.narrow(2, 0, self.size), dv_tiles.narrow(2, 0, self.size), *self.tail)
+        if dk_tiles.shape[2] != self.size:  # a block short of the accumulators' last rows
+            dk_tiles, dv_tiles = dk_tiles.narrow(2, 0, self.size), dv_tiles.narrow(2, 0, self.size)
+        self.fn(plain(q), plain(k), plain(v), plain(do), lse_log2, dpsum, dq_acc, dk_tiles, dv_tiles, *self.tail)
 
 
 class TileKVLayout:
@@ -378,17 +379,23 @@ class TileKVLayout:
         self.row_numel = state.head_dim_rounded
         self.length = _rup(max(cap, 1), self.align) * self.row_numel
         self.numel = 2 * self.b * self.h_kv * self.length
+        self._cols: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (buffer, k0) -> views (keep buf alive)
 
     def _halves(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         half = self.numel // 2
         return tuple(buf.narrow(0, i * half, half).view(self.b, self.h_kv, self.length) for i in range(2))
 
     def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`."""
+        """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`
+        (views from ``k0`` to the end; made once per buffer and k0: a ring's blocks reuse a few)."""
         if k0 % self.align or not 0 <= k0 <= k1 <= rows:
             raise ValueError(f"kv rows [{k0}, {k1}) of {rows}: k0 must be a multiple of {self.align}")
-        start = k0 * self.row_numel
-        return tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
+        key = (id(buf), buf.data_ptr(), buf.numel(), k0)
+        got = self._cols.get(key)
+        if got is None:
+            start = k0 * self.row_numel
+            got = self._cols[key] = tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
+        return got
 
     def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """The finished sums into ``dk, dv (b, rows, h_kv, d)`` (16-bit, strided views allowed): FA4's

@@ -46,7 +46,7 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     hops: list = [None] * side.groups
     home = -(steps - 1) * side.step % world  # after the last step: back to the owner
     for t in range(steps):
-        data_hop = run.transport.shift(side.ring.cur, side.ring.nxt, side.step) if t + 1 < steps else None
+        data_hop = run.transport.shift(*side.ring.send_recv(), side.step) if t + 1 < steps else None
         held = [side.held(i, r, t) for i, r in enumerate(run.ranks)]
         offset = side.step if t + 1 < steps else home
         for g in range(side.groups):

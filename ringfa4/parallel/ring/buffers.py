@@ -68,19 +68,29 @@ def own_kv(run, bufs: KVBuffers, ring: KVRing, ks: list[torch.Tensor], vs: list[
 
 
 class KVRing:
-    """The K/V a rank holds while they travel, as ``(k, v)`` pieces of ``cap`` rows: ``cur`` (this
-    step's), ``nxt`` (the next hop's receive buffer); ``swap`` after the hop. Where every rank holds
-    ``cap`` rows and the inputs are contiguous, step 0 reads (and the first hop sends) the inputs
-    themselves, with no copy into a buffer; a spare buffer takes their place after the first hop,
-    so the inputs are never received into."""
+    """The K/V a rank holds while they travel: ``cur`` (this step's: the inputs as a ``(k, v)``
+    pair, or a flat ``[k | v]`` buffer of ``cap`` rows), ``nxt`` (the next hop's flat receive
+    buffer); ``swap`` after the hop. Where every rank holds ``cap`` rows and the inputs are
+    contiguous, step 0 reads (and the first hop sends) the inputs themselves, with no copy into a
+    buffer; a spare buffer takes their place after the first hop, so the inputs are never received
+    into. The first hop moves (k, v) as two pieces, every later one the flat buffer as one
+    (:meth:`send_recv`: by the hop count, the same on every rank): one transfer a hop."""
 
     def __init__(self, bufs: KVBuffers, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         direct = all(k.shape[row_dim(k)] == bufs.cap and k.is_contiguous() and v.is_contiguous()
                      for k, v in zip(ks, vs))
-        self.cur = [(k, v) if direct else bufs.pieces(bufs.filled(k, v)) for k, v in zip(ks, vs)]
-        self.nxt = [bufs.pieces(bufs.empty(k.device)) for k in ks]
-        self.spare = [bufs.pieces(bufs.empty(k.device)) for k in ks] if direct else None
+        self.bufs, self.hops = bufs, 0
+        self.cur = [(k, v) if direct else bufs.filled(k, v) for k, v in zip(ks, vs)]
+        self.nxt = [bufs.empty(k.device) for k in ks]
+        self.spare = [bufs.empty(k.device) for k in ks] if direct else None
+
+    def send_recv(self) -> tuple[list, list]:
+        if self.hops == 0:
+            pieces = lambda x: x if isinstance(x, tuple) else self.bufs.pieces(x)  # noqa: E731
+            return [pieces(c) for c in self.cur], [self.bufs.pieces(n) for n in self.nxt]
+        return self.cur, self.nxt
 
     def swap(self) -> None:
         old = self.cur if self.spare is None else self.spare
         self.cur, self.nxt, self.spare = self.nxt, old, None
+        self.hops += 1

@@ -28,7 +28,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
     merge = forward_merge_strategy(run, qs, vs[0])
     steps, world = run.active_steps, run.schedule.world_size
     for t in range(steps):
-        handle = run.transport.shift(kv.cur, kv.nxt, 1) if t + 1 < steps else None
+        handle = run.transport.shift(*kv.send_recv(), 1) if t + 1 < steps else None
         for i, r in enumerate(run.ranks):
             # step 0: the rank's own K/V, whole documents included; later: what travelled here
             k_t, v_t = own[i] if t == 0 else bufs.view(kv.cur[i], travel_of(run, run.schedule.source(r, t, world)))

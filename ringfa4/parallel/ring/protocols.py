@@ -14,11 +14,14 @@ __all__ = ["BackwardSide", "GradSink", "TravellingData"]
 
 
 class TravellingData(Protocol):
-    """The data a side moves each step: ``cur`` (per local rank, this step's pieces), ``nxt``
-    (the next hop's receive buffers); ``swap`` after the hop."""
+    """The data a side moves each step: ``cur`` (per local rank, this step's), ``nxt`` (the next
+    hop's receive buffers); ``send_recv`` the next hop's (send, recv) lists as the transport takes
+    them (the same pieces on every rank); ``swap`` after the hop."""
 
     cur: list
     nxt: list
+
+    def send_recv(self) -> tuple[list, list]: ...
 
     def swap(self) -> None: ...
 

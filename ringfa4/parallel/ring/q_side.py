@@ -29,6 +29,9 @@ class _PieceRing:
         self.nxt = [empty(p) for p in own]
         self.spare = [empty(p) for p in own]
 
+    def send_recv(self) -> tuple[list, list]:
+        return self.cur, self.nxt
+
     def swap(self) -> None:
         old = self.cur if self.spare is None else self.spare
         self.cur, self.nxt, self.spare = self.nxt, old, None
