@@ -16,6 +16,7 @@ from helpers import HeadMajorGrads, random_qkv, reference_grads, rel_err
 import ringfa4
 from ringfa4 import RingOptions
 from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.parallel import LoopbackTransport
 
 FLOOR = {torch.float64: 1e-12, torch.float32: 1e-6}
 
@@ -487,3 +488,42 @@ def test_gloo_dp_replicas_with_ulysses(pools):
     res = pools(4).run("dp_ulysses_case", timeout=60)
     assert all(status == "ok" and value["identical"] for status, value in res), res
     assert sorted(value["cp_rank"] for _, value in res) == [0, 0, 1, 1]
+
+
+class _CountingTransport(LoopbackTransport):
+    """Loopback hops that record, per shift, how many pieces each rank sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[list[int]] = []
+
+    def shift(self, send, recv, offset):
+        self.pieces.append([len(s) if isinstance(s, tuple) else 1 for s in send])
+        return super().shift(send, recv, offset)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_kv_hops_after_the_first_move_one_flat_buffer(contiguous):
+    """The first K/V hop sends (k, v) as two pieces (the inputs themselves where they can), every
+    later hop each rank's flat [k | v] buffer as one (the same on every rank); results unchanged."""
+    P = 4
+    q, k, v, do = random_qkv(1, 64, 64, 4, 2, 16, dtype=torch.float64, seed=3)
+    if not contiguous:  # non-contiguous K/V: step 0 copies them into a flat buffer first
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    count = _CountingTransport()
+    cp = ringfa4.ContextParallel.simulated(P, backend="reference", transport=count,
+                                           options=RingOptions(fp32_grads=False))
+    got = _run_with_grads(cp, q, k, v, do)
+    want = reference_grads(q, k, v, do, causal=True)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-12
+    assert count.pieces[0] == [2] * P  # the forward's first hop
+    assert all(p == [1] * P for p in count.pieces[1:P - 1]), count.pieces  # its later hops
+    assert [p for p in count.pieces if p != [1] * P] == [[2] * P] * 2  # and the backward's first K/V hop
+
+
+def _run_with_grads(cp, q, k, v, do):
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, return_lse=True)
+    out.backward(do)
+    return out.detach(), lse, qq.grad, kk.grad, vv.grad

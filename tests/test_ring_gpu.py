@@ -210,3 +210,19 @@ def test_ring_epilogue_merge_fa4(h_kv, kw):
         torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-5)
     for name, a, b in zip(("dq", "dk", "dv"), fused[2:], plain[2:]):
         assert rel_err(a, b.double()) <= 1e-2, name  # the same backward from (almost) the same out, lse
+
+
+@pytest.mark.parametrize("options", [RingOptions(), RingOptions(cuda_graphs=True)], ids=["eager", "graphs"])
+def test_ring_makes_no_host_sync(options):
+    """A warmed-up ring forward + backward (simulated, dense, causal) runs under
+    ``torch.cuda.set_sync_debug_mode("error")``: no call on the hot path waits for the GPU."""
+    cp = ringfa4.ContextParallel.simulated(4, options=options)
+    q, k, v, do = random_qkv(1, 8192, 8192, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    _run(cp, q, k, v, do, causal=True)  # compiles, captures
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ringfa4.attention(qq, kk, vv, cp=cp, causal=True).backward(do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
