@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .eager import eager_boundary
 from .sinks import apply_sinks_
 from .spec import AttnSpec, BackendUnsupported, PlainBackend
 from .validate import validate_block
@@ -247,7 +248,7 @@ class SdpaBackend(PlainBackend):
         l[..., rows] = parts[0][1]
         return o, l
 
-    @torch.compiler.disable
+    @eager_boundary
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +277,7 @@ class SdpaBackend(PlainBackend):
             lse.copy_(l)
         return (out if out is not None else o.contiguous()), (lse if lse is not None else l.float().contiguous())
 
-    @torch.compiler.disable
+    @eager_boundary
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

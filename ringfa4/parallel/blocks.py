@@ -53,16 +53,17 @@ class Block:
         return base.replace(causal=self.causal, window=self.window)
 
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's query rows of a ``(b, s, ...)`` tensor (a view)."""
-        return x[:, self.q0:self.q1]
+        """This block's query rows of a ``(b, s, ...)`` tensor (a view; ``x`` itself for all of them)."""
+        return x if self.q0 == 0 and self.q1 == x.shape[1] else x[:, self.q0:self.q1]
 
     def k_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's key rows of a ``(b, s_k, ...)`` tensor (a view)."""
-        return x[:, self.k0:self.k1]
+        """This block's key rows of a ``(b, s_k, ...)`` tensor (a view; ``x`` itself for all of them)."""
+        return x if self.k0 == 0 and self.k1 == x.shape[1] else x[:, self.k0:self.k1]
 
     def lse_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's rows of an lse ``(b, h, s)`` or planes ``(b, h, 2, s)`` tensor (a view)."""
-        return x[..., self.q0:self.q1]
+        """This block's rows of an lse ``(b, h, s)`` or planes ``(b, h, 2, s)`` tensor (a view;
+        ``x`` itself for all of them)."""
+        return x if self.q0 == 0 and self.q1 == x.shape[-1] else x[..., self.q0:self.q1]
 
     def put_q(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         copy_unless_there(self.q_rows(dst), src)

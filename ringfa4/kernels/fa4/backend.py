@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..eager import eager_boundary
 from ..sinks import apply_sinks_
 from ..spec import AttnSpec, BackendUnsupported, check_grads
 from ..validate import known_empty_segment, validate_block
@@ -152,7 +153,7 @@ class Fa4Backend:
         has run on this GPU generation (see the class doc)."""
         return device.type == "cuda" and self._ran_here()
 
-    @torch.compiler.disable
+    @eager_boundary
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +198,7 @@ class Fa4Backend:
             return out, res[1]
         return res[0], res[1]
 
-    @torch.compiler.disable
+    @eager_boundary
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,7 +216,7 @@ class Fa4Backend:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
 
-    @torch.compiler.disable
+    @eager_boundary
     def backward_accumulate(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
@@ -271,7 +272,7 @@ class Fa4Backend:
         return q.dim() == 4 and q.device.type == "cuda" and q.dtype in _DTYPES and v.shape[-1] == q.shape[-1] \
             and epilogue_merge.can_implement(_arch())
 
-    @torch.compiler.disable
+    @eager_boundary
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None:
         """One ring block merged inside FA4's epilogue (:mod:`.epilogue_merge`, sm90): ``out_acc (b, s_q,

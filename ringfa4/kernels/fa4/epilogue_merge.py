@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from ..eager import eager_boundary
 from ..spec import AttnSpec
 from .fp32_forward import Compiled, Prepared, _sm90_class, _spec, prepare_forward
 from .fp32_forward import compile_only as fp32_compile_only
@@ -166,7 +167,7 @@ def check_planes(planes: torch.Tensor, q: torch.Tensor) -> None:
                          f"a (b, h, 2, S) buffer), got strides {planes.stride()}")
 
 
-@torch.compiler.disable
+@eager_boundary
 def fa4_forward_merge_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_acc: torch.Tensor,
                        planes: torch.Tensor, *, causal: bool, softmax_scale: float,
                        window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0) -> torch.Tensor:

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..eager import eager_boundary
 from ..spec import AttnSpec
 from .launch import plain
 
@@ -246,7 +247,7 @@ def _empty_rows(s_q: int, s_k: int, causal: bool, wl: int | None, wr: int | None
     return [(0, min(s_q, s_q - s_k - wr))]
 
 
-@torch.compiler.disable
+@eager_boundary
 def fa4_forward_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
                      window: tuple[int | None, int | None] = (None, None), softcap: float = 0.0,
                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,

@@ -15,7 +15,8 @@ import torch
 from ...kernels.merge import merge_lse_, merge_planes_
 from ...kernels.spec import AttnSpec, BlockBackend
 
-__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "merge", "merge_planes"]
+__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "merge", "merge_planes",
+           "merge_rows"]
 
 
 def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
@@ -31,11 +32,17 @@ def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torc
     return backend.forward(qb, kb, vb, spec, out=o, lse=l)
 
 
-def forward_merge(backend: BlockBackend, blk, q, k, v, base: AttnSpec, out_acc: torch.Tensor, planes: torch.Tensor):
-    """Dense: the block merged into its rows of ``out_acc`` and the lse ``planes`` inside the
-    backend's kernel; the planes, or None where the backend cannot."""
-    return backend.forward_merge(blk.q_rows(q), blk.k_rows(k), blk.k_rows(v), blk.spec(base, q.device),
-                                 blk.q_rows(out_acc), blk.lse_rows(planes))
+def merge_rows(blk, q: torch.Tensor, out_acc: torch.Tensor, planes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Dense: the block's rows of ``q``, of the fp32 accumulator ``out_acc`` and of the lse
+    ``planes`` (views; the same for every block of a rank with these query rows)."""
+    return blk.q_rows(q), blk.q_rows(out_acc), blk.lse_rows(planes)
+
+
+def forward_merge(backend: BlockBackend, blk, rows: tuple[torch.Tensor, ...], k, v, base: AttnSpec):
+    """Dense: the block merged into its rows of the accumulator and the lse planes inside the
+    backend's kernel (``rows``: :func:`merge_rows`); the planes, or None where the backend cannot."""
+    q, out_acc, planes = rows
+    return backend.forward_merge(q, blk.k_rows(k), blk.k_rows(v), blk.spec(base, q.device), out_acc, planes)
 
 
 def merge(blk, out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor, impl: str) -> None:

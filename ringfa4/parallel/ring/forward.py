@@ -164,6 +164,15 @@ class EpilogueMerge(StepMerge):
         self.planes = [torch.empty(q.shape[0], q.shape[2], 2, q.shape[1], dtype=torch.float32, device=q.device)
                        for q in qs]
         self.fresh = [True] * len(qs)
+        self.rows_by_range: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+
+    def _rows(self, i: int, blk) -> tuple[torch.Tensor, ...]:
+        """Rank i's views for ``blk``'s query rows (:func:`.calls.merge_rows`), made once per row range."""
+        key = (i, blk.q0, blk.q1)
+        got = self.rows_by_range.get(key)
+        if got is None:
+            got = self.rows_by_range[key] = calls.merge_rows(blk, self.qs[i], self.outs[i], self.planes[i])
+        return got
 
     def _start(self, i: int) -> None:
         """Rank i's accumulator zeroed and its planes at (M, S) = (-inf, 0)."""
@@ -184,7 +193,7 @@ class EpilogueMerge(StepMerge):
             return
         if self.fresh[i]:
             self._start(i)
-        if calls.forward_merge(run.backend, blk, q, k, v, run.spec, self.outs[i], self.planes[i]) is None:
+        if calls.forward_merge(run.backend, blk, self._rows(i, blk), k, v, run.spec) is None:
             o, l = calls.forward(run.backend, blk, q, k, v, run.spec, *self.target(i))
             calls.merge_planes(blk, self.outs[i], self.planes[i], o, l)
 
