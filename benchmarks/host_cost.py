@@ -236,6 +236,7 @@ def main() -> None:
     ap.add_argument("--packed", action="store_true", help="also one packed mix (64k tokens of 1k-16k documents)")
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each row")
     ap.add_argument("--graphs", action="store_true", help="also RingOptions(cuda_graphs=True) rows")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the torch / FA4 / cp=None baselines")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
@@ -243,7 +244,8 @@ def main() -> None:
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     cycles = sleep_cycles(args.queued_ms)
     out = {"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D, "backend": be.name,
-           "queued_ms": args.queued_ms, "baselines": baselines(cycles, args.queued_ms, args.reps), "rows": []}
+           "queued_ms": args.queued_ms, "rows": [],
+           "baselines": [] if args.no_baselines else baselines(cycles, args.queued_ms, args.reps)}
     for b in out["baselines"]:
         print(json.dumps(b), flush=True)
 

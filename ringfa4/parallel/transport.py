@@ -36,9 +36,10 @@ def _first(bufs: list) -> torch.Tensor:
 
 
 class _Handle:
-    def __init__(self, works=None, event=None):
+    def __init__(self, works=None, event=None, device: torch.device | None = None):
         self.works = works or []
         self.event = event
+        self.device = device
 
 
 class Transport:
@@ -46,6 +47,7 @@ class Transport:
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._current: dict[int, tuple[int, torch.cuda.Stream]] = {}
 
     def comm_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
@@ -53,6 +55,28 @@ class Transport:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """``torch.cuda.current_stream(device)``, its Python object kept while the raw stream stays
+        the same (making one costs tens of microseconds of host time; a ring asks every hop)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        known = self._current.get(index)
+        if known is None or known[0] != raw:
+            known = self._current[index] = (raw, torch.cuda.current_stream(index))
+        return known[1]
+
+    def on_stream(self, stream: torch.cuda.Stream, device: torch.device, post) -> None:
+        """``post()`` with ``stream`` current, after it waited for the compute stream (so producers
+        are done and earlier readers of the receive buffers have finished); the compute stream is
+        current again after."""
+        compute = self.current_stream(device)
+        stream.wait_stream(compute)
+        torch.cuda.set_stream(stream)
+        try:
+            post()
+        finally:
+            torch.cuda.set_stream(compute)
 
     def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], offset: int) -> _Handle:
         raise NotImplementedError
@@ -91,19 +115,20 @@ class LoopbackTransport(Transport):
             for dst, src in pairs:
                 dst.copy_(src)
             return _Handle()
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        event = torch.cuda.Event()
+
+        def post():
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
             event.record(stream)
-        return _Handle(event=event)
+        self.on_stream(stream, device, post)
+        return _Handle(event=event, device=device)
 
     def wait(self, handle):
         if handle.event is not None:
-            torch.cuda.current_stream().wait_event(handle.event)
+            self.current_stream(handle.device).wait_event(handle.event)
 
     def all_gather(self, bufs):
         every = torch.cat(bufs)
@@ -165,9 +190,8 @@ class P2PTransport(Transport):
         stream = self.comm_stream(device)
         if stream is None:
             return _Handle(works=dist.batch_isend_irecv(ops), event=(frm, to, None, None))
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            works = dist.batch_isend_irecv(ops)
+        works = []
+        self.on_stream(stream, device, lambda: works.extend(dist.batch_isend_irecv(ops)))
         return _Handle(works=works, event=(frm, to, None, None))
 
     def wait(self, handle):
