@@ -35,7 +35,7 @@ import statistics
 import time
 
 import torch
-from _common import calls_alone, executor_step, full_call, interleaved_ms, median_ms
+from _common import calls_alone, cp_step, executor_step, full_call, interleaved_ms, median_ms, rotating
 
 import ringfa4
 from ringfa4 import RingOptions
@@ -110,25 +110,6 @@ def _dense_inputs(S: int, n_sets: int = 2):
             for _ in range(n_sets)]
 
 
-def _api_step(cp, backward: bool, packing=None):
-    def run(q, k, v, do):
-        if backward:
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        out = ringfa4.attention(q, k, v, cp=cp, causal=True, packing=packing)
-        if backward:
-            out.backward(do)
-    return run
-
-
-def _once(fn, sets):
-    state = {"i": 0}
-
-    def call():
-        fn(*sets[state["i"] % len(sets)])
-        state["i"] += 1
-    return call
-
-
 def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
     """Host time of a plain torch op, upstream FA4's own entry points and ringfa4 ``cp=None``
     (4k tokens, h = 32 / kv 8, d = 128, causal)."""
@@ -151,7 +132,7 @@ def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
                     out.backward(do)
             rows.append({"what": f"FA4 flash_attn_func {name}", **host_us(fa4, cycles, queued_ms, reps)})
         rows.append({"what": f"ringfa4 cp=None {name}",
-                     **host_us(_once(_api_step(None, backward), sets), cycles, queued_ms, reps)})
+                     **host_us(rotating(cp_step(None, backward), sets), cycles, queued_ms, reps)})
     return rows
 
 
@@ -178,12 +159,12 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
     rows = []
     for backward in (False, True):
         t_full = median_ms(full_call(be, spec, backward), sets, 100)
-        execu = host_us(_once(executor_step(cps["eager"], spec, backward), sets), cycles, args.queued_ms, args.reps)
-        fns = {m: _api_step(cps[m], backward) for m in modes}
+        execu = host_us(rotating(executor_step(cps["eager"], spec, backward), sets), cycles, args.queued_ms, args.reps)
+        fns = {m: cp_step(cps[m], backward) for m in modes}
         fns["calls"] = calls_alone(cps["eager"], spec, be, backward, {})
         timed = interleaved_ms(fns, sets, rounds=3, rep=100)
         for mode in modes:
-            api = _once(fns[mode], sets)
+            api = rotating(fns[mode], sets)
             host = host_us(api, cycles, args.queued_ms, args.reps)
             ring_ms = timed[mode]["ms"]
             row = {"mode": mode, "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
@@ -214,7 +195,7 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
                                 pack.uses_allgather(H, HK)).schedule)
     rows = []
     for backward in (False, True):
-        api = _once(_api_step(cp, backward, pack), sets)
+        api = rotating(cp_step(cp, backward, pack), sets)
         host = host_us(api, cycles, args.queued_ms, args.reps)
         rank_steps = P * steps
         row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": total // P,

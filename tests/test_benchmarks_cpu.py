@@ -177,3 +177,11 @@ def test_varlen_sim_ranks_alone():
                     assert torch.equal(out, packing.shard(full, 0, r))
                     checked += 1
     assert checked == P  # the balanced pack of four equal documents keeps each whole
+
+
+def test_host_cost_imports_and_parses():
+    """host_cost.py needs a GPU to run; here it imports and its argument parser takes the gpu.sh flags."""
+    import host_cost
+
+    assert callable(host_cost.bench_dense) and callable(host_cost.bench_packed)
+    assert host_cost.H % host_cost.HK == 0
