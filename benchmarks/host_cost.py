@@ -17,10 +17,13 @@ the ring forward / backward alone on already split shards (eager); and with ``--
 functions where one call's host time goes (cProfile, own and cumulative time, top 30). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
 ``--graphs`` adds rows with ``RingOptions(cuda_graphs=True)`` (host time of a replay, its
-efficiency, ``graph_mib``: the graphs' memory).
+efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "real-rank"`` rows: P
+spawned gloo ranks on this GPU, each a distributed ``ContextParallel`` with stub hops, so a rank pays
+what a real one pays on the host (its metadata check over the gloo control group included) but no
+NCCL (:mod:`_real_rank`); rank 0's host time per rank-step.
 
     python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--graphs]
-        [--profile] [--out benchmarks/results/host_cost.json]
+        [--real-rank] [--profile] [--out benchmarks/results/host_cost.json]
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
             api = rotating(fns[mode], sets)
             host = host_us(api, cycles, args.queued_ms, args.reps)
             ring_ms = timed[mode]["ms"]
-            row = {"mode": mode, "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": tokens,
+            row = {"path": "simulated", "mode": mode, "pass": "fwd+bwd" if backward else "fwd", "P": P,
+                   "tokens_per_rank": tokens,
                    "layout": "dense", "rank_steps": rank_steps, "us_per_rank_step": host["us"] / rank_steps,
                    "min_us_per_rank_step": host["min_us"] / rank_steps, "waited": host["waited"],
                    "launches_per_rank_step": launches(api) / rank_steps,
@@ -198,7 +202,8 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
         api = rotating(cp_step(cp, backward, pack), sets)
         host = host_us(api, cycles, args.queued_ms, args.reps)
         rank_steps = P * steps
-        row = {"mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P, "tokens_per_rank": total // P,
+        row = {"path": "simulated", "mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P,
+               "tokens_per_rank": total // P,
                "layout": f"packed {len(lengths)} docs 1k-16k", "rank_steps": rank_steps,
                "us_per_rank_step": host["us"] / rank_steps, "min_us_per_rank_step": host["min_us"] / rank_steps,
                "waited": host["waited"],
@@ -218,6 +223,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one call of each row")
     ap.add_argument("--graphs", action="store_true", help="also RingOptions(cuda_graphs=True) rows")
     ap.add_argument("--no-baselines", action="store_true", help="skip the torch / FA4 / cp=None baselines")
+    ap.add_argument("--real-rank", action="store_true",
+                    help="also the real-rank path: P spawned gloo ranks on this GPU, stub hops (_real_rank.py)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
@@ -242,21 +249,33 @@ def main() -> None:
         if args.packed:
             out["rows"] += bench_packed(P, 65536, be, args, cycles)
             save()
+        if args.real_rank:
+            from _real_rank import real_rank_rows
+
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles)
+                for r in rows:
+                    print(json.dumps(r), flush=True)
+                out["rows"] += rows
+                save()
     print(f"\nhost cost on {out['device']} ({be.name}, h={H}/{HK}, d={D}, bf16, causal, simulated, queued "
           f"{args.queued_ms:.0f} ms)")
     print("| baseline | host us (median) | min |\n|---|---|---|")
     for b in out["baselines"]:
         print(f"| {b['what']} | {b['us']:.0f} | {b['min_us']:.0f} |")
+    print("\n(real-rank rows: P spawned gloo ranks on one GPU, stub hops; rank 0's host time)")
     print("\n| layout | mode | P | tokens/rank | pass | us/rank-step (median) | min | executor us/rank-step | "
           "launches/rank-step | efficiency | of calls alone | waited |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
-        print(f"| {r['layout']} | {r['mode']} | {r['P']} | {r['tokens_per_rank']} | {r['pass']} | "
+        print(f"| {r.get('path', 'simulated')} {r['layout']} | {r['mode']} | {r['P']} | {r['tokens_per_rank']} | "
+              f"{r['pass']} | "
               f"{r['us_per_rank_step']:.0f} | "
               f"{r['min_us_per_rank_step']:.0f} | "
-              f"{r.get('executor_us_per_rank_step', float('nan')):.0f} | {r['launches_per_rank_step']:.1f} | "
+              f"{r.get('executor_us_per_rank_step', float('nan')):.0f} | "
+              f"{r.get('launches_per_rank_step', float('nan')):.1f} | "
               f"{r.get('efficiency', float('nan')):.3f} | {r.get('of_calls_alone', float('nan')):.3f} | "
-              f"{r['waited']} |")
+              f"{r.get('waited', '-')} |")
     if args.profile and out["rows"]:
         for r in out["rows"][:2]:
             for key in ("own", "cum"):

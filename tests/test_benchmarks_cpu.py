@@ -185,3 +185,13 @@ def test_host_cost_imports_and_parses():
 
     assert callable(host_cost.bench_dense) and callable(host_cost.bench_packed)
     assert host_cost.H % host_cost.HK == 0
+
+
+def test_real_rank_host_cost_runs_on_gloo_ranks():
+    """host_cost's real-rank path: spawned gloo ranks, a distributed ContextParallel with stub hops
+    (CPU, the reference backend): rank 0's rows for fwd and fwd+bwd, positive times."""
+    from _real_rank import real_rank_rows
+
+    rows = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, timeout_s=240)
+    assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all(r["path"] == "real-rank" and r["P"] == 2 and r["us_per_rank_step"] > 0 for r in rows)
