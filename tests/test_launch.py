@@ -70,6 +70,28 @@ def test_backend_replays_a_plan_only_for_its_signature(monkeypatch):
     assert len(ran) == 1
 
 
+def test_varlen_replay_still_checks_the_cu_seqlens_values(monkeypatch):
+    """A varlen plan replays for an equal signature with the call's own cu_seqlens, but their values
+    are still validated (once per tensor version): a malformed pack of the same shape is refused."""
+    from ringfa4.kernels.fa4 import backend as fa4
+
+    ran = []
+    be = fa4.Fa4Backend()
+    q = torch.zeros(48, 2, 16, dtype=torch.bfloat16)
+    k = v = torch.zeros(48, 2, 16, dtype=torch.bfloat16)
+    out, lse = torch.zeros(48, 2, 16), torch.zeros(2, 48)
+    cu = torch.tensor([0, 16, 48], dtype=torch.int32)
+    spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=32, max_seqlen_k=32)
+    be._plans.put(("varlen", spec, signature(q, k, v, out, lse, cu, cu)), lambda *t: ran.append(t))
+    other = torch.tensor([0, 30, 48], dtype=torch.int32)  # another pack, same signature
+    be.forward(q, k, v, spec.replace(cu_seqlens_q=other, cu_seqlens_k=other), out=out, lse=lse)
+    assert len(ran) == 1 and ran[0][5][0] is other
+    bad = torch.tensor([0, 40, 30], dtype=torch.int32)  # decreasing: refused before any launch
+    with pytest.raises(ValueError, match="non-decreasing"):
+        be.forward(q, k, v, spec.replace(cu_seqlens_q=bad, cu_seqlens_k=bad), out=out, lse=lse)
+    assert len(ran) == 1
+
+
 @pytest.fixture(scope="module")
 def sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -104,6 +126,27 @@ def test_replayed_forwards_equal_the_checked_path(sm90, spec):
         for x, y in zip(*res):
             assert torch.equal(x, y)
     assert len(be._plans) == 2
+
+
+@pytest.mark.gpu
+def test_replayed_varlen_forward_equals_the_checked_path(sm90):
+    from ringfa4.kernels.fa4.backend import Fa4Backend
+
+    be, h, hk, d = Fa4Backend(), 8, 2, 128
+    for seed, lengths in enumerate(((300, 84, 640), (128, 700, 196), (1000, 12, 12))):  # same total and count
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
+        q = _bf16(total, h, d, seed=seed)
+        k, v = _bf16(total, hk, d, seed=seed + 10), _bf16(total, hk, d, seed=seed + 20)
+        res = []
+        for backend in (be, Fa4Backend()):
+            out, lse = torch.empty(total, h, d, device="cuda"), torch.empty(h, total, device="cuda")
+            backend.forward(q, k, v, spec, out=out, lse=lse)
+            res.append((out, lse))
+        for x, y in zip(*res):
+            assert torch.equal(x, y), seed
+    assert len(be._plans) == 1
 
 
 @pytest.mark.gpu

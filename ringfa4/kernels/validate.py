@@ -10,7 +10,7 @@ import torch
 from .sinks import check_sinks
 from .spec import AttnSpec
 
-__all__ = ["known_empty_segment", "validate_block", "validate_cu_seqlens"]
+__all__ = ["known_empty_segment", "validate_block", "validate_cu_seqlens", "validate_varlen"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -100,15 +100,22 @@ def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
         raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
     check_sinks(spec.sinks, q, where)
     if spec.varlen:
-        validate_cu_seqlens(spec.cu_seqlens_q, "cu_seqlens_q", q.shape[0], where)
-        validate_cu_seqlens(spec.cu_seqlens_k, "cu_seqlens_k", k.shape[0], where)
-        if spec.cu_seqlens_q.numel() != spec.cu_seqlens_k.numel():
-            raise ValueError(f"{where}cu_seqlens_k must have {spec.cu_seqlens_q.numel()} entries like "
-                             f"cu_seqlens_q, got {spec.cu_seqlens_k.numel()}")
-        for name, cu, mx in (("max_seqlen_q", spec.cu_seqlens_q, spec.max_seqlen_q),
-                             ("max_seqlen_k", spec.cu_seqlens_k, spec.max_seqlen_k)):
-            longest = _longest(cu)
-            if mx < longest:
-                raise ValueError(f"{where}{name} must be >= the longest document {longest}, got {mx}")
+        validate_varlen(spec, q.shape[0], k.shape[0], where)
     elif q.shape[0] != k.shape[0]:
         raise ValueError(f"{where}k batch must equal q's {q.shape[0]}, got {k.shape[0]}")
+
+
+def validate_varlen(spec: AttnSpec, total_q: int, total_k: int, where: str = "") -> None:
+    """``spec``'s cu_seqlens and max_seqlen against packed tensors of ``total_q`` / ``total_k`` rows:
+    their values are read once per tensor version (ringfa4's own are trusted), so a repeated call
+    costs dictionary lookups."""
+    validate_cu_seqlens(spec.cu_seqlens_q, "cu_seqlens_q", total_q, where)
+    validate_cu_seqlens(spec.cu_seqlens_k, "cu_seqlens_k", total_k, where)
+    if spec.cu_seqlens_q.numel() != spec.cu_seqlens_k.numel():
+        raise ValueError(f"{where}cu_seqlens_k must have {spec.cu_seqlens_q.numel()} entries like "
+                         f"cu_seqlens_q, got {spec.cu_seqlens_k.numel()}")
+    for name, cu, mx in (("max_seqlen_q", spec.cu_seqlens_q, spec.max_seqlen_q),
+                         ("max_seqlen_k", spec.cu_seqlens_k, spec.max_seqlen_k)):
+        longest = _longest(cu)
+        if mx < longest:
+            raise ValueError(f"{where}{name} must be >= the longest document {longest}, got {mx}")

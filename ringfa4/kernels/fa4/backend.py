@@ -23,7 +23,7 @@ import torch
 from ..eager import eager_boundary
 from ..sinks import apply_sinks_
 from ..spec import AttnSpec, BackendUnsupported, check_grads
-from ..validate import known_empty_segment, validate_block
+from ..validate import known_empty_segment, validate_block, validate_varlen
 from .launch import PlanCache, aligned, signature
 
 __all__ = ["Fa4Backend", "Fa4Unsupported"]
@@ -75,18 +75,18 @@ def _check_buffer(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: tor
 
 def _forward_fp32(q, k, v, spec: AttnSpec, out: torch.Tensor, lse: torch.Tensor | None, plans: PlanCache,
                   key: tuple | None):
-    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.prepare_forward` (the checked
-    path; its plan kept in ``plans`` under ``key`` when given and replayable), varlen calls through
-    :func:`ringfa4.kernels.fa4.varlen_fwd.fa4_forward_fp32_varlen` (sm90; it raises
-    NotImplementedError on sm100, where the caller widens FA4's own forward instead)."""
+    """Dense calls through :func:`ringfa4.kernels.fa4.fp32_forward.prepare_forward`, varlen calls
+    through :func:`ringfa4.kernels.fa4.varlen_fwd.prepare_forward_varlen` (sm90; it raises
+    NotImplementedError on sm100, where the caller widens FA4's own forward instead): the checked
+    path, its plan kept in ``plans`` under ``key`` when given and replayable."""
     if spec.varlen:
-        from .varlen_fwd import fa4_forward_fp32_varlen
+        from .varlen_fwd import prepare_forward_varlen
 
-        o, l, _ = fa4_forward_fp32_varlen(q, k, v, spec, out=out, lse=lse)
-        return o, l
-    from .fp32_forward import prepare_forward
+        prepared = prepare_forward_varlen(q, k, v, spec, out=out, lse=lse)
+    else:
+        from .fp32_forward import prepare_forward
 
-    prepared = prepare_forward(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)), out, lse)
+        prepared = prepare_forward(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)), out, lse)
     prepared.run()
     if key is not None and prepared.replayable:
         plans.put(key, prepared.plan)
@@ -160,11 +160,19 @@ class Fa4Backend:
         """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
         -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
         key = None
-        if out is not None and lse is not None and not spec.varlen and spec.sinks is None:
-            key = ("forward", spec, signature(q, k, v, out, lse))
+        if out is not None and lse is not None and spec.sinks is None:
+            if spec.varlen:  # the cu_seqlens are launch arguments: their values change per pack
+                cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
+                key = ("varlen", spec, signature(q, k, v, out, lse, *cu))
+            else:
+                key = ("forward", spec, signature(q, k, v, out, lse))
             plan = self._plans.get(key)
             if plan is not None and aligned((q, k, v, out), 16) and aligned((lse,), 4):
-                plan(q, k, v, out, lse)
+                if spec.varlen:  # the values: read once per tensor version (ringfa4's own are trusted)
+                    validate_varlen(spec, q.shape[0], k.shape[0])
+                    plan(q, k, v, out, lse, cu)
+                else:
+                    plan(q, k, v, out, lse)
                 return out, lse
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)

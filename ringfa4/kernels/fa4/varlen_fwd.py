@@ -26,13 +26,15 @@ layouts; :func:`fa4_forward_fp32_varlen` raises NotImplementedError there and
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..spec import AttnSpec
 from .fp32_forward import _CACHE, _DTYPES, Compiled, Fp32Key, _check_out, _compile, _kernel_args, _Launch, _sm90_class
+from .launch import plain
 
-__all__ = ["compile_only_varlen", "fa4_forward_fp32_varlen"]
+__all__ = ["PreparedVarlen", "VarlenPlan", "compile_only_varlen", "fa4_forward_fp32_varlen", "prepare_forward_varlen"]
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
@@ -73,6 +75,19 @@ def _canonical(key: Fp32Key, q: torch.Tensor, k: torch.Tensor) -> tuple[tuple, t
     return (qc, kc, kc, o, lse), cu
 
 
+class VarlenPlan(NamedTuple):
+    """One varlen fp32 forward launch, prepared (:mod:`.launch`): the compiled kernel, the softmax
+    scale and the arguments after the two cu_seqlens (which every call passes: they change per pack)."""
+
+    compiled: Compiled
+    scale: float
+    rest: tuple
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 cu: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.compiled.fn(plain(q), plain(k), plain(v), plain(out), plain(lse), self.scale, *cu, *self.rest)
+
+
 def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                             arch: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Fp32Key | None]:
@@ -82,6 +97,30 @@ def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     (key None when nothing ran). ``out`` / ``lse``: optional preallocated float32 views with last-dim
     stride 1 (out: 16-byte aligned, e.g. a row slice of a bigger buffer; lse e.g. a column slice).
     Raises NotImplementedError off sm90, ValueError / TypeError for inputs it does not take."""
+    prepared = prepare_forward_varlen(q, k, v, spec, out, lse, arch)
+    prepared.run()
+    return prepared.tensors[3], prepared.tensors[4], prepared.key
+
+
+class PreparedVarlen(NamedTuple):
+    """A checked varlen call (as :class:`~.fp32_forward.Prepared`, with the cu_seqlens it launches with)."""
+
+    tensors: tuple
+    cu: tuple
+    plan: VarlenPlan | None
+    key: Fp32Key | None
+    replayable: bool
+
+    def run(self) -> None:
+        if self.plan is not None:
+            self.plan(*self.tensors, self.cu)
+
+
+def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                           arch: int | None = None) -> PreparedVarlen:
+    """The checked path of :func:`fa4_forward_fp32_varlen`: validation, the outputs, FA4's config,
+    the compile; a call with no query or no key rows is finished here. Nothing launched yet."""
     _check_inputs(q, k, v, spec)
     total_q, h, d = q.shape
     total_k, h_kv = k.shape[0], k.shape[1]
@@ -105,12 +144,12 @@ def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
         lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
     else:
         _check_out(lse, "lse", (h, total_q), q, 4)
-    if total_q == 0:
-        return out, lse, None
-    if total_k == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-        return out, lse, None
+    given = (q, k, v, spec.cu_seqlens_q, spec.cu_seqlens_k)
+    if total_q == 0 or total_k == 0:
+        if total_q:
+            out.zero_()
+            lse.fill_(-math.inf)
+        return PreparedVarlen((q, k, v, out, lse), (), None, None, False)
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     cu = (spec.cu_seqlens_q.contiguous(), spec.cu_seqlens_k.contiguous())
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, spec.window_left, spec.window_right)
@@ -128,9 +167,12 @@ def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if key not in _CACHE:
         tensors, cu_c = _canonical(key, q, k)
         _CACHE[key] = _compile(key, tensors, launch, _sm90_class, cu_c)
-    if not is_fake_mode():
-        _CACHE[key].fn(*_kernel_args(arch, tuple(t.detach() for t in (q, k, v, out, lse)), launch, cu))
-    return out, lse, key
+    if is_fake_mode():
+        return PreparedVarlen((q, k, v, out, lse), cu, None, key, False)
+    tail = _kernel_args(arch, (), launch, (None, None))
+    plan = VarlenPlan(_CACHE[key], tail[0], tuple(tail[3:]))
+    return PreparedVarlen((q, k, v, out, lse), cu, plan, key,
+                          all(a is b for a, b in zip(given, (q, k, v, *cu))))
 
 
 def fake_varlen(lengths, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, **spec_kwargs):
