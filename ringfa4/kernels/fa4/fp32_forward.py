@@ -287,16 +287,18 @@ class Prepared(NamedTuple):
     """A checked call: ``tensors`` (q, k, v, out, lse) as the kernel takes them, its ``plan`` (None:
     nothing to launch, or fake tensors), the compile ``key`` (None when nothing compiled) and
     ``replayable``: the plan runs any later call of the same signature (:func:`.launch.signature`)
-    on the caller's own tensors (no copy was made of q, k or v)."""
+    on the caller's own tensors (no copy was made of q, k or v); ``extra``: what the plan takes
+    after the five tensors (varlen: the call's ``(cu_seqlens_q, cu_seqlens_k)``)."""
 
     tensors: tuple
-    plan: ForwardPlan | None
+    plan: Any
     key: Fp32Key | None
     replayable: bool
+    extra: tuple = ()
 
     def run(self) -> None:
         if self.plan is not None:
-            self.plan(*self.tensors)
+            self.plan(*self.tensors, *self.extra)
 
 
 def _forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,

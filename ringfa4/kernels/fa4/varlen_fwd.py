@@ -31,10 +31,21 @@ from typing import NamedTuple
 import torch
 
 from ..spec import AttnSpec
-from .fp32_forward import _CACHE, _DTYPES, Compiled, Fp32Key, _check_out, _compile, _kernel_args, _Launch, _sm90_class
+from .fp32_forward import (
+    _CACHE,
+    _DTYPES,
+    Compiled,
+    Fp32Key,
+    Prepared,
+    _check_out,
+    _compile,
+    _kernel_args,
+    _Launch,
+    _sm90_class,
+)
 from .launch import plain
 
-__all__ = ["PreparedVarlen", "VarlenPlan", "compile_only_varlen", "fa4_forward_fp32_varlen", "prepare_forward_varlen"]
+__all__ = ["VarlenPlan", "compile_only_varlen", "fa4_forward_fp32_varlen", "prepare_forward_varlen"]
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
@@ -102,23 +113,9 @@ def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return prepared.tensors[3], prepared.tensors[4], prepared.key
 
 
-class PreparedVarlen(NamedTuple):
-    """A checked varlen call (as :class:`~.fp32_forward.Prepared`, with the cu_seqlens it launches with)."""
-
-    tensors: tuple
-    cu: tuple
-    plan: VarlenPlan | None
-    key: Fp32Key | None
-    replayable: bool
-
-    def run(self) -> None:
-        if self.plan is not None:
-            self.plan(*self.tensors, self.cu)
-
-
 def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                           arch: int | None = None) -> PreparedVarlen:
+                           arch: int | None = None) -> Prepared:
     """The checked path of :func:`fa4_forward_fp32_varlen`: validation, the outputs, FA4's config,
     the compile; a call with no query or no key rows is finished here. Nothing launched yet."""
     _check_inputs(q, k, v, spec)
@@ -149,7 +146,7 @@ def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
         if total_q:
             out.zero_()
             lse.fill_(-math.inf)
-        return PreparedVarlen((q, k, v, out, lse), (), None, None, False)
+        return Prepared((q, k, v, out, lse), None, None, False)
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     cu = (spec.cu_seqlens_q.contiguous(), spec.cu_seqlens_k.contiguous())
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, spec.window_left, spec.window_right)
@@ -168,11 +165,10 @@ def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
         tensors, cu_c = _canonical(key, q, k)
         _CACHE[key] = _compile(key, tensors, launch, _sm90_class, cu_c)
     if is_fake_mode():
-        return PreparedVarlen((q, k, v, out, lse), cu, None, key, False)
+        return Prepared((q, k, v, out, lse), None, key, False)
     tail = _kernel_args(arch, (), launch, (None, None))
     plan = VarlenPlan(_CACHE[key], tail[0], tuple(tail[3:]))
-    return PreparedVarlen((q, k, v, out, lse), cu, plan, key,
-                          all(a is b for a, b in zip(given, (q, k, v, *cu))))
+    return Prepared((q, k, v, out, lse), plan, key, all(a is b for a, b in zip(given, (q, k, v, *cu))), (cu,))
 
 
 def fake_varlen(lengths, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, **spec_kwargs):
