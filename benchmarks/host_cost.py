@@ -88,7 +88,7 @@ def launches(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_top(fn, cycles: int, n: int = 30) -> dict:
+def profile_top(fn, cycles: int, n: int = 50) -> dict:
     """cProfile of one call enqueued behind queued GPU work: the ``n`` functions with the most own
     time (``own``) and the most cumulative time (``cum``)."""
     fn()
@@ -195,8 +195,9 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
             for _ in range(2)]
     cp = ringfa4.ContextParallel.simulated(P, backend=be)
     pack = cp.pack(cu)
-    steps = active_steps(cp.run(sets[0][0], AttnSpec(causal=True), pack.packing,
-                                pack.uses_allgather(H, HK)).schedule)
+    gathered = pack.uses_allgather(H, HK)
+    sched = cp.run(sets[0][0], AttnSpec(causal=True), pack.packing, gathered).schedule
+    steps = 1 if gathered else active_steps(sched)  # the all-gather mode: one gathered step a rank
     rows = []
     for backward in (False, True):
         api = rotating(cp_step(cp, backward, pack), sets)
@@ -204,7 +205,8 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
         rank_steps = P * steps
         row = {"path": "simulated", "mode": "eager", "pass": "fwd+bwd" if backward else "fwd", "P": P,
                "tokens_per_rank": total // P,
-               "layout": f"packed {len(lengths)} docs 1k-16k", "rank_steps": rank_steps,
+               "layout": f"packed {len(lengths)} docs 1k-16k ({'allgather' if gathered else 'ring'})",
+               "rank_steps": rank_steps,
                "us_per_rank_step": host["us"] / rank_steps, "min_us_per_rank_step": host["min_us"] / rank_steps,
                "waited": host["waited"],
                "launches_per_rank_step": launches(api) / rank_steps}

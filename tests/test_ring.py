@@ -527,3 +527,29 @@ def _run_with_grads(cp, q, k, v, do):
     out, lse = ringfa4.attention(qq, kk, vv, cp=cp, causal=True, return_lse=True)
     out.backward(do)
     return out.detach(), lse, qq.grad, kk.grad, vv.grad
+
+
+def test_view_memo_makes_each_view_once_per_base_object():
+    """The executors' per-call view memo: one make per (base objects, key); another object, even
+    an equal one, gets its own; and KVBuffers hands back the very same views of a held buffer."""
+    from ringfa4.parallel.memo import ViewMemo
+    from ringfa4.parallel.ring.buffers import KVBuffers
+
+    memo, made = ViewMemo(), []
+
+    def make(x, a, b):
+        made.append((a, b))
+        return x.narrow(1, a, b - a)
+
+    x, y = torch.zeros(1, 8), torch.zeros(1, 8)
+    first = memo.get((x,), ("rows", 2, 5), make, x, 2, 5)
+    assert memo.get((x,), ("rows", 2, 5), make, x, 2, 5) is first and made == [(2, 5)]
+    assert memo.get((y,), ("rows", 2, 5), make, y, 2, 5) is not first and len(made) == 2
+    assert memo.get((x,), ("rows", 2, 6), make, x, 2, 6).shape == (1, 4) and len(made) == 3
+    k, v = torch.randn(1, 6, 2, 4), torch.randn(1, 6, 2, 4)
+    bufs = KVBuffers(k, v, 6)
+    buf = bufs.filled(k, v)
+    kb, vb = bufs.view(buf, 4)
+    assert bufs.view(buf, 4)[0] is kb and bufs.view(buf, 4)[1] is vb
+    assert torch.equal(kb, k[:, :4]) and torch.equal(vb, v[:, :4])
+    assert bufs.view((k, v), 6)[0] is k  # all rows of an input pair: the input itself

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["cached_method"]
+__all__ = ["ViewMemo", "cached_method"]
 
 
 def cached_method(fn):
@@ -23,3 +23,24 @@ def cached_method(fn):
         return cache[args]
 
     return wrapper
+
+
+class ViewMemo:
+    """Views made once per executor call: a ring step reads the same few views of the same
+    buffers again and again (a rank's held K/V, its head groups, a block's rows), and making a
+    view costs a microsecond or two of host time. ``get(bases, key, make, *args)`` returns
+    ``make(*args)`` the first time for these base tensor objects and ``key``, the same result after. The memo keeps the
+    bases alive, so their ids cannot be reused while it lives: make one per call, never longer
+    (it would keep that call's buffers)."""
+
+    __slots__ = ("_got",)
+
+    def __init__(self) -> None:
+        self._got: dict[tuple, tuple] = {}
+
+    def get(self, bases: tuple, key, make, *args):
+        slot = (tuple(map(id, bases)), key)
+        got = self._got.get(slot)
+        if got is None or any(a is not b for a, b in zip(got[0], bases)):
+            got = self._got[slot] = (bases, make(*args))
+        return got[1]

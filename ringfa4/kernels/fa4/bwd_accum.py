@@ -38,6 +38,7 @@ kernels compile in CI but have not run on a Blackwell GPU: the ring uses them th
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -296,13 +297,29 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
 _PLANS = PlanCache()  # accumulate_tiles' prepared launches by call signature
 
 
-def _state_signature(state: BwdAccumState) -> tuple:
-    """What a block call's checks read of ``state`` (computed once per state)."""
+_STATE_SIGNATURES: dict[tuple, int] = {}  # interned: a plan key hashes one int for the state, not its tensors
+_NEXT_SIGNATURE = itertools.count()  # never reused, also after a clear (a live state keeps its number)
+
+
+def _state_signature(state: BwdAccumState) -> int:
+    """What a block call's checks read of ``state``, as a small int equal for equal signatures
+    (computed once per state)."""
     sig = state.scratch.get("signature")
     if sig is None:
-        sig = state.scratch["signature"] = (state.arch, state.softmax_scale, state.softcap, signature(
+        full = (state.arch, state.softmax_scale, state.softcap, signature(
             state.q, state.dout, state.dq_accum, state.dpsum, state.lse_log2))
+        if len(_STATE_SIGNATURES) >= _PLANS.limit:  # bounded like the plans (whose keys it numbers)
+            _STATE_SIGNATURES.clear()
+            _PLANS.plans.clear()
+        sig = state.scratch["signature"] = _intern(full)
     return sig
+
+
+def _intern(full: tuple) -> int:
+    got = _STATE_SIGNATURES.get(full)
+    if got is None:
+        got = _STATE_SIGNATURES[full] = next(_NEXT_SIGNATURE)
+    return got
 
 
 class _RowRange(NamedTuple):
@@ -386,15 +403,16 @@ class TileKVLayout:
         return tuple(buf.narrow(0, i * half, half).view(self.b, self.h_kv, self.length) for i in range(2))
 
     def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`
-        (views from ``k0`` to the end; made once per buffer and k0: a ring's blocks reuse a few)."""
+        """The accumulators of kv rows ``[k0, k1)`` (of ``rows`` held) for :func:`accumulate_tiles`:
+        the whole tiles of those rows, ``rup(k1 - k0, align) * d_r`` wide from ``k0`` (views made once
+        per buffer and row range: a ring's blocks reuse a few)."""
         if k0 % self.align or not 0 <= k0 <= k1 <= rows:
             raise ValueError(f"kv rows [{k0}, {k1}) of {rows}: k0 must be a multiple of {self.align}")
-        key = (id(buf), buf.data_ptr(), buf.numel(), k0)
+        key = (id(buf), buf.data_ptr(), buf.numel(), k0, k1)
         got = self._cols.get(key)
         if got is None:
-            start = k0 * self.row_numel
-            got = self._cols[key] = tuple(t.narrow(2, start, self.length - start) for t in self._halves(buf))
+            start, width = k0 * self.row_numel, _rup(k1 - k0, self.align) * self.row_numel
+            got = self._cols[key] = tuple(t.narrow(2, start, width) for t in self._halves(buf))
         return got
 
     def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memo import ViewMemo
 from . import calls
 from .buffers import KVBuffers
 from .run import RingRun, acc_dtype, cap_of
@@ -37,6 +38,7 @@ class AccumGradSink:
         self.states, self.layouts, self.heads = groups.states, groups.layouts, groups.heads
         self.groups = len(groups.layouts)
         self.qs, self.ks, self.vs = inputs
+        self.views = ViewMemo()  # head groups and block rows of the held K/V
         acc = acc_dtype(self.qs[0])
         self.scratch = None if in_place else [torch.empty(self.layouts[0].numel, dtype=acc, device=k.device)
                                               for k in self.ks]
@@ -52,10 +54,11 @@ class AccumGradSink:
             return None
         target = dst if self.in_place else self.scratch[i].zero_()
         a, b = self.heads[g]
-        k_g, v_g = k.narrow(2, a, b - a), v.narrow(2, a, b - a)
+        k_g, v_g = self.views.get((k, v), ("heads", a, b), calls.kv_heads, k, v, a, b)
         for blk in blocks:
-            calls.accumulate(self.states[g][i], blk, k_g, v_g, self.run.spec,
-                             *self.layouts[g].cols(target, rows, blk.k0, blk.k1))
+            kv = self.views.get((k_g, v_g), ("rows", blk.k0, blk.k1), calls.kv_rows, blk, k_g, v_g)
+            calls.accumulate(self.states[g][i], blk, kv, self.run.spec, *self.layouts[g].cols(target, rows, blk.k0,
+                                                                                               blk.k1))
         return None if self.in_place else target
 
     def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:

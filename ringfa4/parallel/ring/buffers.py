@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..memo import ViewMemo
 from .run import row_dim, with_rows
 
 __all__ = ["KVBuffers", "KVRing", "own_kv", "travelling"]
@@ -16,7 +17,8 @@ class KVBuffers:
     documents, uneven dense lengths); ``view(buf, rows)`` gives (k, v) of a rank with ``rows``
     tokens: the first ``rows`` along the token dim of the ``cap``-row tensors (a prefix of the flat
     memory for packed ``(t, h, d)``; strided for dense ``(b, s, h, d)`` with b > 1 when rows < cap);
-    ``pieces(buf)`` the (k, v) of all ``cap`` rows (what travels)."""
+    ``pieces(buf)`` the (k, v) of all ``cap`` rows (what travels). Both are made once per buffer
+    and row count (a :class:`~ringfa4.parallel.memo.ViewMemo`: make a KVBuffers per call)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, cap_rows: int, dtype: torch.dtype | None = None):
         self.cap = cap_rows
@@ -24,6 +26,7 @@ class KVBuffers:
         self.k_cap = math.prod(self.k_shape)
         self.numel = self.k_cap + math.prod(self.v_shape)
         self.dtype = dtype or k.dtype
+        self._views = ViewMemo()
 
     def empty(self, device) -> torch.Tensor:
         return torch.empty(self.numel, dtype=self.dtype, device=device)
@@ -32,8 +35,11 @@ class KVBuffers:
         return torch.zeros(self.numel, dtype=self.dtype, device=device)
 
     def view(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._views.get(buf if isinstance(buf, tuple) else (buf,), rows, self._rows, buf, rows)
+
+    def _rows(self, buf, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = buf if isinstance(buf, tuple) else self.pieces(buf)
-        return k.narrow(row_dim(k), 0, rows), v.narrow(row_dim(v), 0, rows)
+        return tuple(x if x.shape[row_dim(x)] == rows else x.narrow(row_dim(x), 0, rows) for x in (k, v))
 
     def filled(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         buf = self.empty(k.device)
@@ -43,6 +49,9 @@ class KVBuffers:
         return buf
 
     def pieces(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._views.get((buf,), "pieces", self._split, buf)
+
+    def _split(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return buf[: self.k_cap].view(self.k_shape), buf[self.k_cap:].view(self.v_shape)
 
 

@@ -15,8 +15,8 @@ import torch
 from ...kernels.merge import merge_lse_, merge_planes_
 from ...kernels.spec import AttnSpec, BlockBackend
 
-__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "merge", "merge_planes",
-           "merge_rows"]
+__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "kv_heads", "kv_rows",
+           "merge", "merge_planes", "merge_rows"]
 
 
 def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
@@ -38,11 +38,25 @@ def merge_rows(blk, q: torch.Tensor, out_acc: torch.Tensor, planes: torch.Tensor
     return blk.q_rows(q), blk.q_rows(out_acc), blk.lse_rows(planes)
 
 
-def forward_merge(backend: BlockBackend, blk, rows: tuple[torch.Tensor, ...], k, v, base: AttnSpec):
+def kv_heads(k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense: kv heads ``[a, b)`` of ``k, v (b, s, h_kv, d)`` (views; the tensors themselves for all heads)."""
+    if a == 0 and b == k.shape[2]:
+        return k, v
+    return k.narrow(2, a, b - a), v.narrow(2, a, b - a)
+
+
+def kv_rows(blk, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense: the block's key rows of ``k`` and ``v`` (views; the same for every block with these kv rows)."""
+    return blk.k_rows(k), blk.k_rows(v)
+
+
+def forward_merge(backend: BlockBackend, blk, rows: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                  base: AttnSpec):
     """Dense: the block merged into its rows of the accumulator and the lse planes inside the
-    backend's kernel (``rows``: :func:`merge_rows`); the planes, or None where the backend cannot."""
+    backend's kernel (``rows``: :func:`merge_rows`; ``kv``: :func:`kv_rows`); the planes, or None
+    where the backend cannot."""
     q, out_acc, planes = rows
-    return backend.forward_merge(q, blk.k_rows(k), blk.k_rows(v), blk.spec(base, q.device), out_acc, planes)
+    return backend.forward_merge(q, *kv, blk.spec(base, q.device), out_acc, planes)
 
 
 def merge(blk, out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor, impl: str) -> None:
@@ -101,7 +115,10 @@ def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...],
     return dk, dv
 
 
-def accumulate(state, blk, k, v, base: AttnSpec, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+def accumulate(state, blk, kv: tuple[torch.Tensor, torch.Tensor], base: AttnSpec, dk_acc: torch.Tensor,
+               dv_acc: torch.Tensor) -> None:
     """Dense: the block's gradients through an AccumBackward ``state``: dq into the state, dk / dv
-    into ``dk_acc, dv_acc`` (the accumulators of this block's kv columns: the grad layout's ``cols``)."""
-    state.add_block(blk.q0, blk.q1, blk.k_rows(k), blk.k_rows(v), blk.spec(base, k.device), dk_acc, dv_acc)
+    into ``dk_acc, dv_acc`` (the accumulators of this block's kv columns: the grad layout's
+    ``cols``); ``kv``: the block's key rows (:func:`kv_rows`)."""
+    k, v = kv
+    state.add_block(blk.q0, blk.q1, k, v, blk.spec(base, k.device), dk_acc, dv_acc)

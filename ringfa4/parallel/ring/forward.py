@@ -11,6 +11,7 @@ import torch
 
 from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
+from ..memo import ViewMemo
 from . import calls
 from .buffers import KVBuffers, KVRing, own_kv, travelling
 from .run import RingRun, acc_dtype, cap_of, direct_home, lse_shape, row_dim, rows_of, travel_of, with_rows
@@ -165,6 +166,7 @@ class EpilogueMerge(StepMerge):
                        for q in qs]
         self.fresh = [True] * len(qs)
         self.rows_by_range: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self.kv_views = ViewMemo()  # the blocks' kv rows of each held (k, v)
 
     def _rows(self, i: int, blk) -> tuple[torch.Tensor, ...]:
         """Rank i's views for ``blk``'s query rows (:func:`.calls.merge_rows`), made once per row range."""
@@ -193,7 +195,8 @@ class EpilogueMerge(StepMerge):
             return
         if self.fresh[i]:
             self._start(i)
-        if calls.forward_merge(run.backend, blk, self._rows(i, blk), k, v, run.spec) is None:
+        kv = self.kv_views.get((k, v), (blk.k0, blk.k1), calls.kv_rows, blk, k, v)
+        if calls.forward_merge(run.backend, blk, self._rows(i, blk), kv, run.spec) is None:
             o, l = calls.forward(run.backend, blk, q, k, v, run.spec, *self.target(i))
             calls.merge_planes(blk, self.outs[i], self.planes[i], o, l)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..memo import ViewMemo
 from . import calls
 from .accum_sink import grad_layout, write_dkv
 from .buffers import KVBuffers
@@ -50,6 +51,7 @@ class QSide:
         qs, ks, vs = inputs
         self.run, self.states, self.layouts, self.qs, self.ks, self.vs = run, states, layouts, qs, ks, vs
         self.kv_heads, self.groups = heads, len(heads)
+        self.views = ViewMemo()  # head groups and block rows of the home K/V
         sched = run.schedule
         world = sched.world_size
         self.step = world - 1
@@ -81,11 +83,13 @@ class QSide:
             return None
         state = self.states[i].visiting(pieces, *self.q_heads[g], dst)
         a, b = self.kv_heads[g]
-        k_g, v_g = self.ks[i].narrow(2, a, b - a), self.vs[i].narrow(2, a, b - a)
+        k, v = self.ks[i], self.vs[i]
+        k_g, v_g = self.views.get((k, v), ("heads", a, b), calls.kv_heads, k, v, a, b)
         rows = rows_of(self.run, r)
         for blk in blocks:
-            calls.accumulate(state, blk, k_g, v_g, self.run.spec,
-                             *self.layouts[g].cols(self.dkv[g][i], rows, blk.k0, blk.k1))
+            kv = self.views.get((k_g, v_g), ("rows", blk.k0, blk.k1), calls.kv_rows, blk, k_g, v_g)
+            calls.accumulate(state, blk, kv, self.run.spec, *self.layouts[g].cols(self.dkv[g][i], rows, blk.k0,
+                                                                                  blk.k1))
         return None
 
     def fold(self, i: int, mine, buf: torch.Tensor, held) -> None:
