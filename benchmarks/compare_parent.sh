@@ -7,6 +7,8 @@
 #   bash benchmarks/compare_parent.sh BASE sim    ring_sim 64k, P = 8, causal, executor level, fwd and
 #                                                 fwd+bwd, in the order parent, this, this, parent
 #   bash benchmarks/compare_parent.sh BASE prec   ring_precision at P = 8 and 32: parent, this
+#   bash benchmarks/compare_parent.sh BASE host   host_cost.py (this tree's script on each tree's library): 4k
+#                                                 tokens a rank, P = 8, eager, host time only; parent, this
 #   bash benchmarks/compare_parent.sh BASE sim VAR=VALUE...   the parent's ring_sim with its RINGFA4_* variables
 #
 # JSON under ${OUT:-bench_results}: ring_sim_<tag>.json, ring_precision_<tag>.json. The FA4 wheels'
@@ -29,9 +31,16 @@ prec() {
   (cd "$tree" && env PYTHONPATH="$tree:$extra" python3 benchmarks/ring_precision.py --worlds 8,32 \
      --out "$out/ring_precision_$tag.json" 2>&1 | grep "^|\|full-call")
 }
+host() {  # the parent's library under this tree's host_cost.py (its flags), so both rows measure alike
+  local tag=$1 tree=$2
+  echo "== host_cost $tag"
+  env PYTHONPATH="$tree:$extra" timeout 200 python3 "$root/benchmarks/host_cost.py" --tokens 4096 --worlds 8 \
+     --host-only --no-baselines --out "$out/host_cost_$tag.json" 2>&1 | grep "^| simulated"
+}
 case "$what" in
   sim) if [ $# -gt 0 ]; then sim "parent_$(echo "$*" | tr ' =' '__')" "$base" "$@"
        else sim parent1 "$base"; sim this1 "$root"; sim this2 "$root"; sim parent2 "$base"; fi ;;
   prec) prec parent "$base"; prec this "$root" ;;
-  *) echo "usage: $0 BASE sim|prec [VAR=VALUE...]" >&2; exit 2 ;;
+  host) host parent "$base"; host this "$root" ;;
+  *) echo "usage: $0 BASE sim|prec|host [VAR=VALUE...]" >&2; exit 2 ;;
 esac

@@ -160,12 +160,13 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
     steps = active_steps(cps["eager"].run(sets[0][0], spec).schedule)
     rank_steps = P * steps
     rows = []
+    nan = {"ms": float("nan")}
     for backward in (False, True):
-        t_full = median_ms(full_call(be, spec, backward), sets, 100)
+        t_full = float("nan") if args.host_only else median_ms(full_call(be, spec, backward), sets, 100)
         execu = host_us(rotating(executor_step(cps["eager"], spec, backward), sets), cycles, args.queued_ms, args.reps)
         fns = {m: cp_step(cps[m], backward) for m in modes}
         fns["calls"] = calls_alone(cps["eager"], spec, be, backward, {})
-        timed = interleaved_ms(fns, sets, rounds=3, rep=100)
+        timed = {m: nan for m in fns} if args.host_only else interleaved_ms(fns, sets, rounds=3, rep=100)
         for mode in modes:
             api = rotating(fns[mode], sets)
             host = host_us(api, cycles, args.queued_ms, args.reps)
@@ -227,6 +228,8 @@ def main() -> None:
     ap.add_argument("--no-baselines", action="store_true", help="skip the torch / FA4 / cp=None baselines")
     ap.add_argument("--real-rank", action="store_true",
                     help="also the real-rank path: P spawned gloo ranks on this GPU, stub hops (_real_rank.py)")
+    ap.add_argument("--host-only", action="store_true", help="skip the GPU timings (efficiency, of calls alone)")
+    ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
@@ -245,10 +248,12 @@ def main() -> None:
             json.dump(out, f, indent=1)
     for P in (int(p) for p in args.worlds.split(",")):
         for tokens in (int(t) for t in args.tokens.split(",")):
+            if args.no_simulated:
+                break
             out["rows"] += bench_dense(P, tokens, be, args, cycles)
             save()
             torch.cuda.empty_cache()
-        if args.packed:
+        if args.packed and not args.no_simulated:
             out["rows"] += bench_packed(P, 65536, be, args, cycles)
             save()
         if args.real_rank:
