@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,12 +31,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _host_us(fn, reps: int, cuda: bool, cycles: int) -> list[float]:
+def _host_us(fn, reps: int, cuda: bool, cycles: int, barrier=None) -> list[float]:
+    """Host microseconds of each of ``reps`` calls of ``fn``, each behind ``cycles`` of queued GPU
+    sleep; ``barrier()`` (the ranks' CPU barrier) right before each call starts the ranks together:
+    the call's metadata check is a collective, so a rank timed while another is still draining its
+    GPU queue (P processes sharing one GPU run their sleeps in turn) would measure the wait."""
     times = []
     for _ in range(reps):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda._sleep(cycles)
+        if barrier is not None:
+            barrier()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -46,8 +53,6 @@ def _host_us(fn, reps: int, cuda: bool, cycles: int) -> list[float]:
 
 def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
-    import torch.distributed as dist
-
     import ringfa4
     from ringfa4.parallel import LoopbackTransport
 
@@ -71,8 +76,8 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
                 out = ringfa4.attention(qq, kk, vv, cp=cp, causal=True)
                 if backward:
                     out.backward(do)
-            _host_us(call, 3, cuda, spec["cycles"])  # warm-up (compiles), the same count on every rank
-            times = _host_us(call, spec["reps"], cuda, spec["cycles"])
+            _host_us(call, 3, cuda, spec["cycles"], dist.barrier)  # warm-up (compiles), the same count everywhere
+            times = _host_us(call, spec["reps"], cuda, spec["cycles"], dist.barrier)
             rows.append({"path": "real-rank", "mode": "eager", "pass": "fwd+bwd" if backward else "fwd",
                          "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                          "us_per_rank_step": statistics.median(times) / steps,
