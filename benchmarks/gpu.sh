@@ -10,7 +10,8 @@
 #   packed    packed documents (varlen_sim.py: each rank alone, balanced vs per-document placements) and Ulysses x
 #             ring (ulysses_sim.py) (~7 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
-#             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
+#             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
+#             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
 #             whether hops hide behind the kernels (hop_overlap.py) (~8 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
 #             peak-memory formula's refit (memory_formula.py) and the plot (~5 min); PART 32k: 32 layers, plain
@@ -74,6 +75,7 @@ stage_packed() {
 stage_host() {
   python3 benchmarks/host_cost.py --tokens 4096,8192,32768 --worlds 4,8 --packed --graphs --real-rank \
     --out "$(name host_cost "$sfx")"
+  python3 benchmarks/check_cost.py --worlds 2,4,8 --out "$(name check_cost "$sfx")"
   python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
     --out "$(name ring_profile "$sfx")" "$@"
   python3 benchmarks/hop_overlap.py --out "$(name hop_overlap "$sfx")"

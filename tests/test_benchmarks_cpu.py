@@ -195,3 +195,13 @@ def test_real_rank_host_cost_runs_on_gloo_ranks():
     rows = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, timeout_s=240)
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all(r["path"] == "real-rank" and r["P"] == 2 and r["us_per_rank_step"] > 0 for r in rows)
+
+
+def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():
+    """check_cost.py: two spawned gloo ranks time the per-call metadata check; one row, per-rank
+    (median, min) pairs, positive and ordered."""
+    from check_cost import check_cost
+
+    row = check_cost(2, reps=20)
+    assert row["P"] == 2 and len(row["per_rank"]) == 2
+    assert all(0 < mn <= med for med, mn in row["per_rank"]) and row["us_min"] <= row["us_median"]
