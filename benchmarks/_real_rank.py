@@ -94,11 +94,18 @@ def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
     timed call (CUDA). Raises RuntimeError naming the rank that failed."""
+    spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles}
+    return spawn_ranks(_worker, world, spec, timeout_s, "real-rank host cost")[0]
+
+
+def spawn_ranks(worker, world: int, arg, timeout_s: float, what: str) -> dict:
+    """Run ``worker(rank, world, port, arg, results)`` in ``world`` spawned processes (a free local
+    port for their gloo group); each puts ``(rank, "ok", value)`` or ``(rank, error type, message)``
+    on ``results``. Returns ``{rank: value}``; raises RuntimeError naming the first rank that failed."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles}
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, spec, results), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, arg, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -107,11 +114,11 @@ def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device:
         while len(got) < world:
             rank, status, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
             if status != "ok":
-                raise RuntimeError(f"real-rank host cost: rank {rank} failed: {status}: {value}")
+                raise RuntimeError(f"{what}: rank {rank} failed: {status}: {value}")
             got[rank] = value
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return got[0]
+    return got

@@ -16,13 +16,11 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,26 +50,9 @@ def _worker(rank: int, world: int, port: int, reps: int, results) -> None:
 
 def check_cost(world: int, reps: int = 300) -> dict:
     """One row: the check's host us per call with ``world`` gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, reps, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < world:
-            rank, status, value = results.get(timeout=300)
-            if status != "ok":
-                raise RuntimeError(f"check_cost: rank {rank} failed: {status}: {value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    from _real_rank import spawn_ranks
+
+    got = spawn_ranks(_worker, world, reps, 300.0, "check_cost")
     per_rank = [got[r] for r in range(world)]
     return {"P": world, "us_median": statistics.median(m for m, _ in per_rank),
             "us_min": min(m for _, m in per_rank), "per_rank": per_rank}
