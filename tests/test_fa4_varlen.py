@@ -162,3 +162,27 @@ if __name__ == "__main__":  # subprocess entry: python test_fa4_varlen.py ARCH R
     _res = _compile_all(_arch)
     Path(_result).write_text(json.dumps(_res))
     print(f"{_arch}: {len(_res)} cases in {time.perf_counter() - _t0:.1f}s")
+
+
+def test_padded_rows_made_once_per_cu_seqlens_version():
+    """The padded rows of a pack are computed once per cu_seqlens tensor and version: the same
+    tensor gives the same result object, an in-place change (a new version) or another tensor
+    with other values recomputes, and every result equals the layout's formula."""
+    from ringfa4.kernels.fa4.varlen_bwd import _padded_rows_of
+
+    def want(cu, tile):
+        rows = []
+        for i in range(cu.numel() - 1):
+            start = (int(cu[i]) + i * tile) // tile * tile
+            rows += list(range(start, start + int(cu[i + 1] - cu[i])))
+        return torch.tensor(rows, dtype=torch.long)
+
+    cu = torch.tensor([0, 5, 5, 70, 71], dtype=torch.int32)
+    first = _padded_rows_of(cu, 71, 64)
+    assert torch.equal(first, want(cu, 64)) and _padded_rows_of(cu, 71, 64) is first
+    assert torch.equal(_padded_rows_of(cu, 71, 32), want(cu, 32))
+    cu.copy_(torch.tensor([0, 8, 8, 60, 71]))  # in place: another pack in the same tensor, a new version
+    again = _padded_rows_of(cu, 71, 64)
+    assert again is not first and torch.equal(again, want(cu, 64))
+    other = torch.tensor([0, 71], dtype=torch.int32)
+    assert torch.equal(_padded_rows_of(other, 71, 64), torch.arange(71))

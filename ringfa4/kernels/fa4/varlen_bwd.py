@@ -30,6 +30,8 @@ zero-length q segment crashes FA4's varlen backward: callers never pass one.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..spec import AttnSpec, check_grads
@@ -71,16 +73,42 @@ def _check(dout, q, k, v, out, lse, spec: AttnSpec) -> None:
 
 def _gather_index(cu: torch.Tensor, total: int, tile: int, order: torch.Tensor, d: int, d_r: int) -> torch.Tensor:
     """Flat offsets ``(total * d,)`` int64 into a padded FA4 accumulator row ``(pad * d_r,)`` of each
-    packed (row, column < d): the row's document ``i`` starts at padded row
-    ``(cu[i] + i * tile) // tile * tile``; inside a tile FA4's ``order`` (``(tile * d,)``) holds."""
-    rows = torch.arange(total, device=cu.device)
-    cu64 = cu.long()
-    doc = torch.searchsorted(cu64, rows, right=True) - 1  # empty documents are skipped by right=True
-    starts = cu64[:-1]
-    shift = (starts + torch.arange(starts.numel(), device=cu.device) * tile) // tile * tile - starts
-    p = rows + shift[doc]
+    packed (row, column < d): the row's padded row ``p`` (:func:`_padded_rows_of`), inside a tile FA4's
+    ``order`` (``(tile * d,)``) holds."""
+    p = _padded_rows_of(cu, total, tile)
     inner = order.view(tile, d).index_select(0, p % tile)  # (total, d)
     return ((p // tile) * (tile * d_r)).unsqueeze(1).add(inner).flatten()
+
+
+_OF_CU: dict[tuple, tuple] = {}  # (id, version, what) of a cu_seqlens -> (weakref to it, the result)
+
+
+def _of_cu(cu: torch.Tensor, what: tuple, make):
+    """``make()``, computed once per cu_seqlens tensor, version and ``what`` (a pack's blocks pass
+    the same tensors on every layer), the tensor held weakly so a dead one's id never matches. The
+    result is made on the stream current at its first use (the ring's compute stream, as later)."""
+    key = (id(cu), cu._version, what)
+    got = _OF_CU.get(key)
+    if got is not None and got[0]() is cu:
+        return got[1]
+    value = make()
+    if len(_OF_CU) >= 256:  # bounded: packs change from batch to batch
+        _OF_CU.clear()
+    _OF_CU[key] = (weakref.ref(cu), value)
+    return value
+
+
+def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
+    """``(total,)`` int64: the padded row of each packed row, document ``i`` starting at padded row
+    ``(cu[i] + i * tile) // tile * tile`` (once per cu_seqlens version: eleven small kernels a call)."""
+    def make() -> torch.Tensor:
+        rows = torch.arange(total, device=cu.device)
+        cu64 = cu.long()
+        doc = torch.searchsorted(cu64, rows, right=True) - 1  # empty documents are skipped by right=True
+        starts = cu64[:-1]
+        shift = (starts + torch.arange(starts.numel(), device=cu.device) * tile) // tile * tile - starts
+        return rows + shift[doc]
+    return _of_cu(cu, ("padded rows", total, tile), make)
 
 
 def _add_rows_(acc: torch.Tensor, accum: torch.Tensor, index: torch.Tensor, scale: float) -> None:
@@ -159,7 +187,7 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     f32 = dict(dtype=torch.float32, device=q.device)
     dq_accum, dpsum, lse_log2 = torch.empty(h, pq * d_r, **f32), torch.empty(h, pq, **f32), torch.empty(h, pq, **f32)
     dk_accum, dv_accum = torch.zeros(h_kv, pk * d_r, **f32), torch.zeros(h_kv, pk * d_r, **f32)
-    hint, _ = interface._compute_tile_cumsum(cu_seqlens=cu[0], tile_size=tm)
+    hint = _of_cu(cu[0], ("tile cumsum", tm), lambda: interface._compute_tile_cumsum(cu_seqlens=cu[0], tile_size=tm)[0])
     interface._bwd_preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None,
                               interface.torch2cute_dtype_map[q.dtype], d, d, tm, cu_total_m_blocks=hint,
                               fake_mode=fake, hdim_multiple_of=p.d_round)
