@@ -205,3 +205,27 @@ def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():
     row = check_cost(2, reps=20)
     assert row["P"] == 2 and len(row["per_rank"]) == 2
     assert all(0 < mn <= med for med, mn in row["per_rank"]) and row["us_min"] <= row["us_median"]
+
+
+def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
+    """executor_floor.py: the simulated ring on the CPU with the null backend takes FA4's paths (the
+    merge in the kernel, the in-place head-group backward) and gives positive host times and call
+    counts per rank-step for both levels and passes."""
+    import executor_floor
+    from _null_backend import NullBackend
+
+    from ringfa4.parallel.ring.accum_sink import AccumGradSink
+    from ringfa4.parallel.ring.forward import EpilogueMerge, forward_merge_strategy
+    from ringfa4.parallel.ring.kv_side import grad_sink
+
+    rows = executor_floor.floor_rows(4, 128, reps=2)
+    assert [(r["pass"], r["level"]) for r in rows] == [("fwd", "executor"), ("fwd", "api"), ("fwd+bwd", "executor"),
+                                                       ("fwd+bwd", "api")]
+    assert all(r["us_per_rank_step"] > 0 and r["python_calls_per_rank_step"] > 0 for r in rows)
+    cp = ringfa4.ContextParallel.simulated(4, backend=NullBackend())
+    q, k, v = (torch.randn(1, 512, n, 16).to(torch.bfloat16) for n in (8, 2, 2))
+    run = cp.run(q, AttnSpec(causal=True))
+    qs, ks, vs = (cp.comm.split(cp.layout, t, 1) for t in (q, k, v))
+    assert isinstance(forward_merge_strategy(run, qs, vs[0]), EpilogueMerge)
+    sink = grad_sink(run, (qs, qs, ks, vs, qs, [torch.zeros(1, 8, 128)] * 4))
+    assert isinstance(sink, AccumGradSink) and sink.in_place and sink.groups == 2

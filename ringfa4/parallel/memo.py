@@ -7,6 +7,8 @@ import functools
 
 __all__ = ["ViewMemo", "cached_method"]
 
+_MISSING = object()
+
 
 def cached_method(fn):
     """Cache ``fn(self, *args)`` in ``self`` (hashable args); works on frozen dataclasses."""
@@ -18,9 +20,10 @@ def cached_method(fn):
         if cache is None:
             cache = {}
             object.__setattr__(self, name, cache)
-        if args not in cache:
-            cache[args] = fn(self, *args)
-        return cache[args]
+        got = cache.get(args, _MISSING)
+        if got is _MISSING:
+            got = cache[args] = fn(self, *args)
+        return got
 
     return wrapper
 
@@ -29,18 +32,21 @@ class ViewMemo:
     """Views made once per executor call: a ring step reads the same few views of the same
     buffers again and again (a rank's held K/V, its head groups, a block's rows), and making a
     view costs a microsecond or two of host time. ``get(bases, key, make, *args)`` returns
-    ``make(*args)`` the first time for these base tensor objects and ``key``, the same result after. The memo keeps the
-    bases alive, so their ids cannot be reused while it lives: make one per call, never longer
-    (it would keep that call's buffers)."""
+    ``make(*args)`` the first time for these base tensor objects and ``key``, the same result after.
+    Results are found by the bases' ids; the memo keeps every base it saw alive, so no other object
+    can take one of those ids while it lives: make one per call, never longer (it would keep that
+    call's buffers)."""
 
-    __slots__ = ("_got",)
+    __slots__ = ("_got", "_alive")
 
     def __init__(self) -> None:
-        self._got: dict[tuple, tuple] = {}
+        self._got: dict[tuple, object] = {}
+        self._alive: list[tuple] = []
 
     def get(self, bases: tuple, key, make, *args):
-        slot = (tuple(map(id, bases)), key)
-        got = self._got.get(slot)
-        if got is None or any(a is not b for a, b in zip(got[0], bases)):
-            got = self._got[slot] = (bases, make(*args))
-        return got[1]
+        slot = (*map(id, bases), key)
+        got = self._got.get(slot, _MISSING)
+        if got is _MISSING:
+            self._alive.append(bases)
+            got = self._got[slot] = make(*args)
+        return got

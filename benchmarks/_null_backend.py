@@ -1,0 +1,106 @@
+"""A block backend whose kernels do nothing, for timing the executor's own host work
+(``executor_floor.py``): every method of :class:`~ringfa4.kernels.spec.BlockBackend` and of its
+accumulating backward answers as FA4 on sm90 does (fp32 block outputs, the merge in the kernel, an
+AccumBackward with a layout of its own, so the ring takes FA4's paths: the epilogue merge, the
+in-place head-group backward), and returns its buffers untouched. Outputs are meaningless; never a
+backend for results."""
+
+from __future__ import annotations
+
+import torch
+
+from ringfa4.kernels.spec import AttnSpec
+
+__all__ = ["NullBackend"]
+
+
+class NullBackend:
+    """Kernels that return at once (a :class:`~ringfa4.kernels.spec.BlockBackend`)."""
+
+    name = "null"
+    tile = 128
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        if out is None:
+            out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        if lse is None:
+            lse = q.new_empty((q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1]),
+                              dtype=torch.float32)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, spec: AttnSpec):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def backward_accumulate(self, dout, q, k, v, out, lse, spec: AttnSpec, grads) -> bool:
+        return True
+
+    def fp32_block_outputs(self, device: torch.device) -> bool:
+        return True
+
+    def begin_backward(self, dout, q, out, lse, spec: AttnSpec):
+        return _NullAccum(q, dout) if q.dim() == 4 else None
+
+    def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        return q.dim() == 4
+
+    def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        return planes
+
+
+class _NullLayout:
+    """dK / dV as a flat fp32 ``[dk | dv]`` of ``cap`` dense rows (a KVGradLayout of the state's own)."""
+
+    align, dtype = 1, torch.float32
+
+    def __init__(self, k: torch.Tensor, cap: int) -> None:
+        self.shape = (k.shape[0], cap, k.shape[2], k.shape[3])
+        self.half = self.shape[0] * cap * k.shape[2] * k.shape[3]
+        self.numel = 2 * self.half
+        self._cols: dict[tuple, tuple] = {}  # made once per buffer and rows, as FA4's TileKVLayout does
+
+    def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int):
+        key = (id(buf), buf.data_ptr(), buf.numel(), k0, k1)
+        got = self._cols.get(key)
+        if got is None:
+            dk, dv = buf[: self.half].view(self.shape), buf[self.half:].view(self.shape)
+            got = self._cols[key] = (dk[:, k0:k1], dv[:, k0:k1], buf)
+        return got[:2]
+
+    def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        dk.copy_(buf[: self.half].view(self.shape)[:, :rows])
+        dv.copy_(buf[self.half:].view(self.shape)[:, :rows])
+
+
+class _NullAccum:
+    """An AccumBackward whose blocks add nothing."""
+
+    def __init__(self, q: torch.Tensor, dout: torch.Tensor) -> None:
+        self.q, self.dout = q, dout
+
+    def add_block(self, q0, q1, k, v, spec, dk_acc, dv_acc) -> None:
+        pass
+
+    def dq(self, dtype=None) -> torch.Tensor:
+        return torch.zeros(self.q.shape, dtype=dtype or torch.float32)
+
+    def heads(self, h0: int, h1: int) -> _NullAccum:
+        return _NullAccum(self.q.narrow(2, h0, h1 - h0), self.dout.narrow(2, h0, h1 - h0))
+
+    def kv_layout(self, k: torch.Tensor, cap: int) -> _NullLayout:
+        return _NullLayout(k, cap)
+
+    def travel(self) -> tuple[torch.Tensor, ...]:
+        return self.q.contiguous(), self.dout.contiguous()
+
+    def dq_zeros(self, h0: int, h1: int) -> torch.Tensor:
+        return torch.zeros(self.q.shape[0], h1 - h0, self.q.shape[1] * self.q.shape[3])
+
+    def dq_empty(self, h0: int, h1: int) -> torch.Tensor:
+        return torch.empty(self.q.shape[0], h1 - h0, self.q.shape[1] * self.q.shape[3])
+
+    def visiting(self, pieces, h0: int, h1: int, dq: torch.Tensor) -> _NullAccum:
+        return self
+
+    def dq_from(self, bufs, heads, dtype) -> torch.Tensor:
+        return torch.zeros(self.q.shape, dtype=dtype)

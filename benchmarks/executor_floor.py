@@ -1,0 +1,96 @@
+"""The ring executor's own host time, without kernels: the simulated executor on the CPU with a
+backend whose kernels return at once (``_null_backend.py``; it answers like FA4 on sm90, so the ring
+takes FA4's paths: the merge in the kernel, the in-place head-group backward). What is left is the
+executor's Python per rank-step (loops, views, plans, the loopback hops' copies of tiny buffers;
+no CUDA streams or events, no kernel launches): the floor under ``host_cost.py``'s numbers, and a
+host-cost regression check that needs no GPU.
+
+    python3 benchmarks/executor_floor.py --worlds 4,8 --out bench_results/executor_floor.json
+
+Per world size and pass (fwd, fwd+bwd), at the executor level (each rank's ring on its shards) and
+the API level (``ringfa4.attention`` with autograd): host us per rank-step (median over ``--reps``
+calls, and the minimum) and Python function calls per rank-step (cProfile, one call: a count that
+does not depend on the machine). Shapes: ``--tokens`` a rank (default 256), h = 8 / kv 2, d = 16,
+bf16, causal zigzag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+from _common import cp_step, executor_step
+from _null_backend import NullBackend
+
+import ringfa4
+from ringfa4 import AttnSpec
+from ringfa4.parallel.ring.run import active_steps
+
+H, HK, D = 8, 2, 16
+
+
+def _time_us(fn, reps: int) -> tuple[float, float]:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times), min(times)
+
+
+def _calls(fn) -> int:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    return sum(nc for (_, nc, _, _, _) in pstats.Stats(prof).stats.values())
+
+
+def floor_rows(P: int, tokens: int, reps: int) -> list[dict]:
+    """Rows of one world size: executor and API level, fwd and fwd+bwd."""
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(1, tokens * P, n, D, generator=g).to(torch.bfloat16) for n in (H, HK, HK, H))
+    cp = ringfa4.ContextParallel.simulated(P, backend=NullBackend())
+    spec = AttnSpec(causal=True)
+    rank_steps = P * active_steps(cp.run(q, spec).schedule)
+    rows = []
+    for backward in (False, True):
+        for level, fn in (("executor", executor_step(cp, spec, backward)), ("api", cp_step(cp, backward))):
+            call = lambda fn=fn: fn(q, k, v, do)  # noqa: E731
+            for _ in range(3):
+                call()
+            med, low = _time_us(call, reps)
+            rows.append({"P": P, "tokens_per_rank": tokens, "pass": "fwd+bwd" if backward else "fwd", "level": level,
+                         "rank_steps": rank_steps, "us_per_rank_step": med / rank_steps,
+                         "min_us_per_rank_step": low / rank_steps,
+                         "python_calls_per_rank_step": _calls(call) / rank_steps})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", default="4,8")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="bench_results/executor_floor.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = [r for P in args.worlds.split(",") for r in floor_rows(int(P), args.tokens, args.reps)]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"cpus": os.cpu_count(), "heads": H, "kv_heads": HK, "head_dim": D, "rows": rows}, f, indent=1)
+    print(f"\nexecutor floor (kernels that do nothing, CPU, h={H}/{HK}, d={D}, {args.tokens} tokens a rank)")
+    print("| P | pass | level | host us / rank-step, median (min) | Python calls / rank-step |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['P']} | {r['pass']} | {r['level']} | {r['us_per_rank_step']:.0f} "
+              f"({r['min_us_per_rank_step']:.0f}) | {r['python_calls_per_rank_step']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
