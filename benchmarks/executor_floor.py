@@ -11,7 +11,8 @@ Per world size and pass (fwd, fwd+bwd), at the executor level (each rank's ring 
 the API level (``ringfa4.attention`` with autograd): host us per rank-step (median over ``--reps``
 calls, and the minimum) and Python function calls per rank-step (cProfile, one call: a count that
 does not depend on the machine). Shapes: ``--tokens`` a rank (default 256), h = 8 / kv 2, d = 16,
-bf16, causal zigzag.
+bf16, causal zigzag; and one packed mix (``--packed`` tokens of 128-2048-token documents, the
+default placement), whose rows are per rank and call.
 """
 
 from __future__ import annotations
@@ -73,15 +74,45 @@ def floor_rows(P: int, tokens: int, reps: int) -> list[dict]:
     return rows
 
 
+def packed_rows(P: int, total: int, reps: int, seed: int = 0) -> list[dict]:
+    """Rows of one packed mix (documents of 128-2048 tokens, ``total`` in all; the default
+    placement), API level: host us per rank per call (a pack's ranks run different step counts)."""
+    import random
+
+    rnd, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(rnd.randint(128, 2048), total - sum(lengths)))
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(total, n, D, generator=g).to(torch.bfloat16) for n in (H, HK, HK, H))
+    cp = ringfa4.ContextParallel.simulated(P, backend=NullBackend())
+    pack = cp.pack(cu)
+    rows = []
+    for backward in (False, True):
+        call = lambda backward=backward: cp_step(cp, backward, pack)(q, k, v, do)  # noqa: E731
+        for _ in range(3):
+            call()
+        med, low = _time_us(call, reps)
+        rows.append({"P": P, "tokens_per_rank": total // P, "pass": "fwd+bwd" if backward else "fwd",
+                     "level": f"api, packed {len(lengths)} docs", "rank_steps": P, "us_per_rank_step": med / P,
+                     "min_us_per_rank_step": low / P, "python_calls_per_rank_step": _calls(call) / P})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--packed", type=int, default=8192,
+                    help="tokens of the packed mix (documents of 128-2048 tokens); 0: none. Its rows are per rank "
+                         "and call ('rank_steps' = P), not per rank-step")
     ap.add_argument("--out", default="bench_results/executor_floor.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = [r for P in args.worlds.split(",") for r in floor_rows(int(P), args.tokens, args.reps)]
+    if args.packed:
+        rows += [r for P in args.worlds.split(",") for r in packed_rows(int(P), args.packed, args.reps)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpus": os.cpu_count(), "heads": H, "kv_heads": HK, "head_dim": D, "rows": rows}, f, indent=1)
