@@ -62,7 +62,9 @@ def sleep_cycles(ms: float) -> int:
 
 def host_us(fn, cycles: int, queued_ms: float, reps: int, warm: int = 3) -> dict:
     """Median host microseconds of ``fn()`` enqueued behind ``cycles`` of queued GPU sleep;
-    ``waited``: a call took as long as the queued work (it synchronized with the GPU)."""
+    ``waited``: a call took as long as the queued work, so its times are not host times: it
+    synchronized with the GPU, or it launched more than CUDA's launch queue holds behind the sleep
+    (about a thousand launches; the packed all-gather mode's forward+backward does)."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
