@@ -186,3 +186,8 @@ def test_padded_rows_made_once_per_cu_seqlens_version():
     assert again is not first and torch.equal(again, want(cu, 64))
     other = torch.tensor([0, 71], dtype=torch.int32)
     assert torch.equal(_padded_rows_of(other, 71, 64), torch.arange(71))
+    from ringfa4.kernels.fa4 import varlen_bwd
+
+    held = len(varlen_bwd._OF_CU)
+    del other  # a dead tensor's entries leave with it
+    assert len(varlen_bwd._OF_CU) == held - 1

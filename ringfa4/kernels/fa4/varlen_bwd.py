@@ -85,16 +85,17 @@ _OF_CU: dict[tuple, tuple] = {}  # (id, version, what) of a cu_seqlens -> (weakr
 
 def _of_cu(cu: torch.Tensor, what: tuple, make):
     """``make()``, computed once per cu_seqlens tensor, version and ``what`` (a pack's blocks pass
-    the same tensors on every layer), the tensor held weakly so a dead one's id never matches. The
-    result is made on the stream current at its first use (the ring's compute stream, as later)."""
+    the same tensors on every layer), the tensor held weakly: its entries leave when it dies, so a
+    dead one's id never matches and packs that change every batch keep nothing. The result is made
+    on the stream current at its first use (the ring's compute stream, as later)."""
     key = (id(cu), cu._version, what)
     got = _OF_CU.get(key)
     if got is not None and got[0]() is cu:
         return got[1]
     value = make()
-    if len(_OF_CU) >= 256:  # bounded: packs change from batch to batch
+    if len(_OF_CU) >= 1024:  # a safety bound (entries leave with their tensors)
         _OF_CU.clear()
-    _OF_CU[key] = (weakref.ref(cu), value)
+    _OF_CU[key] = (weakref.ref(cu, lambda _, key=key: _OF_CU.pop(key, None)), value)
     return value
 
 
