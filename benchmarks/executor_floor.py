@@ -89,7 +89,8 @@ def packed_rows(P: int, total: int, reps: int, seed: int = 0) -> list[dict]:
     pack = cp.pack(cu)
     rows = []
     for backward in (False, True):
-        call = lambda backward=backward: cp_step(cp, backward, pack)(q, k, v, do)  # noqa: E731
+        step = cp_step(cp, backward, pack)
+        call = lambda step=step: step(q, k, v, do)  # noqa: E731
         for _ in range(3):
             call()
         med, low = _time_us(call, reps)

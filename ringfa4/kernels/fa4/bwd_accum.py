@@ -310,7 +310,7 @@ def _state_signature(state: BwdAccumState) -> int:
             state.q, state.dout, state.dq_accum, state.dpsum, state.lse_log2))
         if len(_STATE_SIGNATURES) >= _PLANS.limit:  # bounded like the plans (whose keys it numbers)
             _STATE_SIGNATURES.clear()
-            _PLANS.plans.clear()
+            _PLANS.clear()
         sig = state.scratch["signature"] = _intern(full)
     return sig
 

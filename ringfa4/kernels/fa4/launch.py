@@ -49,8 +49,11 @@ class PlanCache:
 
     def put(self, key, plan) -> None:
         if len(self.plans) >= self.limit:
-            self.plans.clear()
+            self.clear()
         self.plans[key] = plan
+
+    def clear(self) -> None:
+        self.plans.clear()
 
     def __len__(self) -> int:
         return len(self.plans)
