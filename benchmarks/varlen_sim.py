@@ -3,10 +3,12 @@
 For every mix of documents and P, and each ``cp.pack`` mode (``balanced``: the default placement;
 ``ring`` / ``allgather``: every document cut 2P ways), every rank's own forward (and backward) on
 its shards is timed separately, the executor level: ``ring_forward`` / ``allgather_forward`` of a
-:class:`RingRun` of that one rank, whose hops copy its travelling buffers (the bytes a real rank
-receives; their contents are its own, stale: timing only) and whose all-gather concatenates P
-copies of its buffer. efficiency = t(one ``flash_attn_varlen_func``-equivalent FA4 call over the
-whole pack) / (P x the slowest rank's time), so an unbalanced placement cannot score well. Also:
+:class:`RingRun` of that one rank (a pack of one document placed as the dense layout places it: the
+dense ring, as ``ringfa4.attention`` runs it, travel ``dense``), whose hops copy its travelling
+buffers (the bytes a real rank receives; their contents are its own, stale: timing only) and whose
+all-gather concatenates P copies of its buffer. efficiency = t(one
+``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
+time), so an unbalanced placement cannot score well. Also:
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring) or
 contributes to the all-gather, and the solver's time for 1,000 documents (CPU, median of 7).
 
@@ -14,13 +16,18 @@ Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k)
 tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.
 
     python benchmarks/varlen_sim.py [--mixes uniform_64k,...] [--worlds 4,8] [--modes balanced,ring,allgather]
-        [--out benchmarks/results/varlen_sim.json]
+        [--profile] [--out benchmarks/results/varlen_sim.json]
+
+``--profile`` adds, per row, torch.profiler over the slowest rank's step: wall ms, GPU kernel ms by
+group (attention, merge, copies, accumulate, other: ring_profile.py's groups), the busy share (kernel
+time / wall; well under 1 means the host or launch gaps bound the rank) and the top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,7 +36,7 @@ import statistics
 import time
 
 import torch
-from _common import median_ms
+from _common import median_ms, rotating
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -94,7 +101,45 @@ def _ratio(xs) -> float:
     return max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0
 
 
-def bench_mix(name: str, worlds, modes, be, rep: int) -> list[dict]:
+def _profile(step, shards, reps: int = 5) -> dict:
+    """torch.profiler over ``reps`` steps of one rank (after 2 warm ones): wall ms a step, GPU ms
+    by kernel group, the busy share and the 8 longest kernels (ms a step, calls a step)."""
+    from ring_profile import group_of
+
+    call = rotating(lambda *t: step(*t), shards)
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / reps
+    groups, top = {}, []
+    for e in prof.key_averages():
+        t = e.self_device_time_total / reps / 1e3
+        if t <= 0 or e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + t
+        top.append({"ms": t, "name": e.key[:80], "calls": e.count / reps})
+    top.sort(key=lambda x: -x["ms"])
+    busy = sum(groups.values())
+    return {"wall_ms": wall, "busy_ms": busy, "busy_share": busy / wall, "groups_ms": groups, "top": top[:8]}
+
+
+def _shard(packing, dense: bool, t: torch.Tensor, r: int) -> torch.Tensor:
+    """Rank ``r``'s rows of packed ``t``; ``(1, rows, ...)`` for the dense ring."""
+    x = packing.shard(t, 0, r)
+    return x.unsqueeze(0) if dense else x
+
+
+def travel_kind(dense: bool, allgather: bool) -> str:
+    return "dense" if dense else "allgather" if allgather else "ring"
+
+
+def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> list[dict]:
     lengths = mix_lengths(name)
     total = sum(lengths)
     cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
@@ -119,7 +164,10 @@ def bench_mix(name: str, worlds, modes, be, rep: int) -> list[dict]:
             pack = cp.pack(cu, mode)
             packing, allgather = pack.packing, pack.uses_allgather(H, HK)
             fwd, bwd = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
-            base = cp.run(sets[0][0], AttnSpec(causal=True), packing, allgather)
+            dense = pack.is_one_dense_sequence()  # the API runs it on the dense ring: so is it timed
+            base = (cp.run(sets[0][0].unsqueeze(0), AttnSpec(causal=True), seq_len=total) if dense else
+                    cp.run(sets[0][0], AttnSpec(causal=True), packing, allgather))
+            shard = functools.partial(_shard, packing, dense)
             toks = [packing.rows(r) for r in range(P)]
             flops = [packing.work(r) for r in range(P)]
             travel = packing.max_travel_rows
@@ -127,17 +175,23 @@ def bench_mix(name: str, worlds, modes, be, rep: int) -> list[dict]:
                 per_rank = []
                 for r in range(P):
                     run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
-                    shards = [[packing.shard(t, 0, r) for t in s] for s in sets]
+                    shards = [[shard(t, r) for t in s] for s in sets]
                     per_rank.append(median_ms(_rank_step(run, fwd, bwd, backward), shards, rep))
                 slowest = max(per_rank)
+                prof = None
+                if profile:
+                    r = per_rank.index(slowest)
+                    run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
+                    prof = _profile(_rank_step(run, fwd, bwd, backward),
+                                    [[shard(t, r) for t in s] for s in sets])
                 rows.append({
-                    "mix": name, "P": P, "mode": mode, "travel": "allgather" if allgather else "ring",
+                    "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
                     "split_docs": len(packing.split_docs()), "full_ms": t_full[backward],
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": t_full[backward] / (P * slowest), "flops_balance": _ratio(flops),
                     "token_balance": _ratio(toks), "rows_per_hop": travel,
-                    "mib_per_hop": 2 * travel * HK * D * 2 / 2**20})
+                    "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {}))
                 print(json.dumps(rows[-1]), flush=True)
     del sets
     torch.cuda.empty_cache()
@@ -150,13 +204,14 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--modes", default="balanced,ring,allgather")
     ap.add_argument("--rep", type=int, default=100, help="ms of do_bench per timing")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
     ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
     args = ap.parse_args()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     worlds = [int(p) for p in args.worlds.split(",")]
     solver = _solver_ms()
     rows = [row for name in args.mixes.split(",") for row in bench_mix(name, worlds, args.modes.split(","), be,
-                                                                      args.rep)]
+                                                                      args.rep, args.profile)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
@@ -170,6 +225,14 @@ def main() -> None:
         print(f"| {r['mix']} | {r['P']} | {r['mode']} ({r['travel']}) | {r['pass']} | {r['split_docs']} / "
               f"{r['docs']} | {r['full_ms']:.2f} | {r['slowest_rank_ms']:.3f} | {r['efficiency']:.3f} | "
               f"{r['flops_balance']:.3f} | {r['token_balance']:.3f} | {r['mib_per_hop']:.1f} |")
+    if args.profile:
+        print("\n| mix | P | mode | pass | ideal ms (one call / P) | wall ms | busy share | GPU ms by group |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            p = r["profile"]
+            grp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p["groups_ms"].items(), key=lambda x: -x[1]))
+            print(f"| {r['mix']} | {r['P']} | {r['mode']} | {r['pass']} | {r['full_ms'] / r['P']:.3f} | "
+                  f"{p['wall_ms']:.3f} | {p['busy_share']:.2f} | {grp} |")
     assert all(math.isfinite(r["efficiency"]) for r in rows)
 
 

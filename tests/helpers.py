@@ -149,3 +149,14 @@ class HeadMajorGrads:
         dk_f, dv_f = self.dense(buf, rows)
         dk.copy_(dk_f)
         dv.copy_(dv_f)
+
+
+def run_triton_script(script: str, interpret: bool):
+    """``script`` in a fresh Python (Triton reads TRITON_INTERPRET at import): through Triton's
+    interpreter on the CPU, or natively on the GPU. Returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""} if interpret else {}))
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)

@@ -243,3 +243,49 @@ def test_one_document_runs_the_dense_ring(P, L):
         out.backward(do.unsqueeze(0))
         for a, b in zip(got, (out[0].detach(), lse[0], qq.grad[0], kk.grad[0], vv.grad[0])):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("travel", ["ring", "allgather"])
+@pytest.mark.parametrize("P", [2, 4])
+def test_whole_documents_take_one_call_backward(P, travel, monkeypatch):
+    """bf16 on the reference backend: a rank's whole documents, one call of exactly the rows after
+    its travelling prefix, get their dq / dk / dv from that call's plain backward (no fp32
+    accumulator, no backward_accumulate), bit-identical to one varlen call over those documents;
+    the travelling rows still accumulate in fp32."""
+    from ringfa4.parallel.ring import calls
+
+    monkeypatch.setattr(context_module, "prefer_allgather", lambda *a: travel == "allgather")
+    seen = {"plain_home": 0, "fp32_home": 0, "fp32_travel": 0}
+    plain, fp32 = calls.backward, calls.backward_fp32
+
+    def spy_plain(backend, blk, *a):
+        seen["plain_home"] += blk.home
+        return plain(backend, blk, *a)
+
+    def spy_fp32(backend, blk, *a):
+        seen["fp32_home" if blk.home else "fp32_travel"] += 1
+        return fp32(backend, blk, *a)
+
+    monkeypatch.setattr(calls, "backward", spy_plain)
+    monkeypatch.setattr(calls, "backward_fp32", spy_fp32)
+    lengths = [30, 5, 60, 200, 7, 1, 90, 33, 0, 44]
+    cu = random_cu_seqlens(lengths)
+    cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference")
+    packing = cp.pack(cu).packing
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).to(torch.bfloat16) for n in (4, 2, 2, 4))
+    got = _run(cp, q, k, v, do, cu, {"causal": True})
+    whole = [r for r in range(P) if packing.travel_rows(r) < packing.rows(r)]
+    assert whole and seen["plain_home"] == len(whole) and seen["fp32_home"] == 0 and seen["fp32_travel"] > 0
+    be = get_backend("reference")
+    for r in whole:  # the rank's whole documents alone, in its local order, through one backward
+        idx, n = packing.indices(r), packing.travel_rows(r)
+        home = idx[n:]
+        segs = [s.length for s in packing.segments(r) if not s.travels]
+        hcu = torch.tensor([0] + [sum(segs[:i + 1]) for i in range(len(segs))], dtype=torch.int32)
+        spec = ringfa4.kernels.AttnSpec(causal=True, cu_seqlens_q=hcu, cu_seqlens_k=hcu, max_seqlen_q=max(segs),
+                                        max_seqlen_k=max(segs))
+        o, lse = be.forward(q[home], k[home], v[home], spec)
+        dq, dk, dv = be.backward(do[home], q[home], k[home], v[home], o, lse, spec)
+        for name, a, b in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv)):
+            assert torch.equal(a[home], b), f"rank {r} {name}: whole documents differ from one call"

@@ -102,7 +102,7 @@ def test_gather_index_reads_fa4_padded_rows(tile, lengths):
     """A padded accumulator whose entries encode (padded row, column) through a permuted in-tile
     order is read back at exactly each packed row's padded row: document i starting at
     ``(cu[i] + i * tile) // tile * tile``, FA4's interface layout."""
-    from ringfa4.kernels.fa4.varlen_bwd import _add_rows_, _gather_index, padded_rows
+    from ringfa4.kernels.fa4.varlen_bwd import _add_rows_, padded_rows
 
     d, d_r, heads = 24, 32, 3
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -115,9 +115,8 @@ def test_gather_index_reads_fa4_padded_rows(tile, lengths):
     flat = (rows // tile) * tile * d_r + order[(rows % tile) * d + cols]
     for hh in range(heads):
         accum[hh, flat] = (rows * 1000 + cols + hh * 10**7).float()
-    idx = _gather_index(cu, total, tile, order, d, d_r)
     acc = torch.ones(total, heads, d)
-    _add_rows_(acc, accum, idx, 2.0)
+    _add_rows_(acc, accum, cu, tile, order, d_r, 2.0)
     want_rows = []
     for i, n in enumerate(lengths):
         start = (int(cu[i]) + i * tile) // tile * tile

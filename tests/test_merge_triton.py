@@ -1,12 +1,9 @@
 """The fused Triton merge equals the torch merge: on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess since it is read at import), on the GPU natively."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from helpers import run_triton_script
 
 SCRIPT = r"""
 import math, torch
@@ -39,19 +36,14 @@ assert worst < 1e-5, worst
 """
 
 
-def _run(env_extra):
-    env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=240)
-
-
 def test_triton_merge_interpreted_on_cpu():
     pytest.importorskip("triton")
-    r = _run({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    r = run_triton_script(SCRIPT, interpret=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.gpu
 def test_triton_merge_on_gpu():
     assert torch.cuda.is_available()
-    r = _run({})
+    r = run_triton_script(SCRIPT, interpret=False)
     assert r.returncode == 0, r.stdout + r.stderr

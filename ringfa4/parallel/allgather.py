@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.sinks import apply_sinks_
-from .blocks import band_block, global_band
+from .blocks import band_block, global_band, whole_block
 from .memo import cached_method
 from .packing import Packing
 from .ring import calls
@@ -76,14 +76,22 @@ class AllGatherSchedule(PackSchedule):
         return idx.to(device)
 
     @cached_method
+    def owner_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`global_rows` as (owner rank, its local row), int64 each."""
+        idx = self.global_rows(device)
+        return idx // self.max_travel_rows, idx % self.max_travel_rows
+
+    @cached_method
     def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
         lo, hi = global_band(self.causal, self.window)
         starts = self._gathered_starts()
         groups: dict[tuple, list] = {}
         for s in self.pack.segments(rank):
             home = not s.travels
-            doc = ((s.local if home else starts[s.doc]), 0, self.pack.doc_lengths[s.doc])
-            b = band_block((s.local, s.pos, s.length), doc, lo, hi)
+            if home:  # the document against itself: one call for all of them
+                b = whole_block(s.local, s.length, lo, hi)
+            else:
+                b = band_block((s.local, s.pos, s.length), (starts[s.doc], 0, self.pack.doc_lengths[s.doc]), lo, hi)
             if b is not None:
                 groups.setdefault((s.part, b.causal, b.window, home), []).append((b.q0, b.q1, b.k0, b.k1))
         return tuple(VarlenCall(tuple(sorted(p)), key[1], key[2], key[3]) for key, p in sorted(groups.items(), key=str))
@@ -159,41 +167,56 @@ def allgather_forward(run, qs, ks, vs):
 
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     """Same contract as :func:`ring_backward`: the travelling dK/dV summed over ranks by one
-    reduce-scatter; a balanced pack's whole documents' dK/dV stay home."""
+    reduce-scatter; a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32
+    dK/dV straight into the accumulators of the gathered rows where their key rows are a slice of
+    them; the accumulators are written into the reduce-scatter's rank-major buffer by one indexed
+    copy each. The rank's whole documents, when one call of exactly the rows after the travelling
+    prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv from that call alone in
+    the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
     sched, cap = run.schedule, run.schedule.max_travel_rows
     kv = _gathered_kv(run, ks, vs)
-    dqs, fulls, homes = [], [], []
+    dqs, fulls, homes, finals = [], [], [], []
     for i, r in enumerate(run.ranks):
         acc = torch.float64 if qs[i].dtype == torch.float64 else torch.float32
-        dq = torch.zeros(qs[i].shape, dtype=acc, device=qs[i].device)
+        blocks, travel = sched.blocks(r), sched.travel_rows(r)
+        direct = direct_home(run, blocks, r)
+        dq = torch.zeros(qs[i].shape if direct is None else (travel,) + tuple(qs[i].shape[1:]), dtype=acc,
+                         device=qs[i].device)
         dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
         dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
-        home = None if sched.travel_rows(r) == sched.rows(r) else (
+        home = None if travel == sched.rows(r) or direct is not None else (
             torch.zeros(ks[i].shape, dtype=acc, device=dq.device),
             torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
         fp32 = run.options.fp32_grads and qs[i].dtype != acc
-        for call in sched.blocks(r):
+        final = None
+        for call in blocks:
             held, dst = ((ks[i], vs[i]), home) if call.home else (kv[i], (dk, dv))
             tensors = (douts[i], qs[i], *held, outs[i], lses[i])
-            kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dq) if fp32 else None
+            if call is direct:
+                final = calls.backward(run.backend, call, tensors, run.spec)
+                continue
+            kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dq, dst) if fp32 else None
             if kept is None:
                 g = calls.backward(run.backend, call, tensors, run.spec)
                 call.add_q(dq, g[0])
                 kept = g[1:]
-            call.add_k(dst[0], kept[0])
-            call.add_k(dst[1], kept[1])
+            if kept:
+                call.add_k(dst[0], kept[0])
+                call.add_k(dst[1], kept[1])
         homes.append(home)
-        idx = sched.global_rows(dq.device)  # back to rank-major rows, one [dk | dv] block per owner
-        dk_rm = dk.new_zeros((sched.world_size * cap,) + tuple(dk.shape[1:])).index_copy_(0, idx, dk)
-        dv_rm = dv.new_zeros((sched.world_size * cap,) + tuple(dv.shape[1:])).index_copy_(0, idx, dv)
-        fulls.append(torch.cat([dk_rm.view(sched.world_size, -1), dv_rm.view(sched.world_size, -1)], 1).reshape(-1))
-        dqs.append(dq.to(qs[i].dtype))
+        finals.append(final)
+        fulls.append(_rank_major(sched, dk, dv, ks[i], vs[i]))
+        dqs.append(dq.to(qs[i].dtype) if final is None else calls.join_rows(dq, final[0], qs[i].dtype))
     mine = run.transport.reduce_scatter(fulls)
     dks, dvs = [], []
     for i, r in enumerate(run.ranks):
         ks_, vs_, kn, _ = _layout(ks[i], vs[i], cap)
         n = sched.travel_rows(r)
         dk, dv = mine[i][:kn].view(ks_)[:n], mine[i][kn:].view(vs_)[:n]
+        if finals[i] is not None:
+            dks.append(calls.join_rows(dk, finals[i][1], ks[i].dtype))
+            dvs.append(calls.join_rows(dv, finals[i][2], vs[i].dtype))
+            continue
         if homes[i] is not None:  # the travelled dK/dV added to what stayed home
             homes[i][0][:n] += dk
             homes[i][1][:n] += dv
@@ -201,3 +224,18 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         dks.append(dk.to(ks[i].dtype))
         dvs.append(dv.to(vs[i].dtype))
     return dqs, dks, dvs
+
+
+def _rank_major(sched: AllGatherSchedule, dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter's flat buffer: per owner rank ``[dk | dv]`` of ``cap`` rows (as
+    :func:`_flat` lays out K/V), filled from the gathered-order accumulators ``dk, dv (T, h_kv,
+    d)`` by one indexed copy each; rows no rank owns (past a rank's travelling tokens) are zero."""
+    cap, world = sched.max_travel_rows, sched.world_size
+    ks, vs, kn, n = _layout(k, v, cap)
+    owners = [sched.travel_rows(r) for r in range(world)]
+    full = (torch.zeros if min(owners) < cap else torch.empty)((world, n), dtype=dk.dtype, device=dk.device)
+    rank, row = sched.owner_rows(dk.device)
+    full[:, :kn].view((world,) + ks).index_put_((rank, row), dk)
+    full[:, kn:].view((world,) + vs).index_put_((rank, row), dv)
+    return full.view(-1)

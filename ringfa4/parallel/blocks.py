@@ -18,7 +18,7 @@ import torch
 
 from .memo import cached_method
 
-__all__ = ["Block", "band_block", "coalesce", "copy_unless_there", "global_band"]
+__all__ = ["Block", "band_block", "coalesce", "copy_unless_there", "global_band", "whole_block"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Block:
     # slice through these and make the kernel calls themselves --
     token_dim: ClassVar[int] = 1
     q_is_view: ClassVar[bool] = True  # q_rows / lse_rows are views: results land in place
+    k_is_view: ClassVar[bool] = True  # k_rows too: gradients can be added into the kv accumulators
     home: ClassVar[bool] = False  # its K/V rows travel (dense: every row does)
 
     def covers(self, rows: int) -> bool:
@@ -132,6 +133,19 @@ def band_block(q_seg: tuple[int, int, int], k_seg: tuple[int, int, int], lo: flo
     causal = right == 0
     window = (left, None if causal else right)
     return Block(qa + r0, qa + r1 + 1, ka + c0, ka + c1 + 1, causal, window)
+
+
+def whole_block(start: int, length: int, lo: float, hi: float) -> Block | None:
+    """The call of a whole document held at local rows ``[start, start + length)`` against itself
+    under the global band ``[lo, hi]``: its full square, with the flags a document of unbounded
+    length gets (a shorter one sees every key those flags would mask anyway, since FA windows
+    always keep the diagonal), so all whole documents of a rank share one call whatever their
+    lengths (a 1-token document included). None when empty."""
+    if length == 0:
+        return None
+    big = 1 << 40
+    flags = band_block((0, 0, big), (0, 0, big), lo, hi)
+    return Block(start, start + length, start, start + length, flags.causal, flags.window)
 
 
 def coalesce(blocks: list[Block]) -> list[Block]:

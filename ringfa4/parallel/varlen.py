@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels.validate import mark_valid
-from .blocks import band_block, copy_unless_there, global_band
+from .blocks import band_block, copy_unless_there, global_band, whole_block
 from .memo import cached_method
 from .packing import Packing, Segment
 
@@ -72,6 +72,10 @@ class VarlenCall:
     @property
     def q_is_view(self) -> bool:
         return self.q_contiguous
+
+    @property
+    def k_is_view(self) -> bool:
+        return self.k_contiguous
 
     def covers(self, rows: int) -> bool:
         return self.q_contiguous and self.pairs[0][0] == 0 and self.pairs[-1][1] == rows
@@ -164,7 +168,10 @@ class PackedRingSchedule(PackSchedule):
         groups: dict[tuple, list] = {}
         for qs in self.pack.segments(rank):
             for ks in kv_by_doc.get(qs.doc, ()):
-                b = band_block((qs.local, qs.pos, qs.length), (ks.local, ks.pos, ks.length), lo, hi)
+                if qs.part == Segment.WHOLE:  # at step 0, against itself: one call for all of them
+                    b = whole_block(qs.local, qs.length, lo, hi)
+                else:
+                    b = band_block((qs.local, qs.pos, qs.length), (ks.local, ks.pos, ks.length), lo, hi)
                 if b is not None:
                     groups.setdefault((qs.part, ks.part, b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
         return tuple(VarlenCall(tuple(sorted(p)), key[2], key[3], key[0] == Segment.WHOLE)

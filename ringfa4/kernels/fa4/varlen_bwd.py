@@ -14,10 +14,11 @@ to bf16. Here its pieces run as it runs them, configured, not copied:
   over the documents' kv tiles and ``SeqlenInfoQK`` (per-document masks, padded offsets); dQ is
   reduce-added into the dq accumulator, dK / dV into zeroed fp32 ``(h_kv, total_k_pad * d_r)``
   accumulators in the same padded layout (``tile_n`` per document).
-* Once at the end of the block, the three fp32 accumulators are gathered (one ``index_select`` each:
-  the document's padded row, then FA4's in-tile order read from its own postprocess, see
-  :func:`.bwd_accum._tile_order`) and added into the caller's unpadded ``dq_acc, dk_acc, dv_acc``
-  with the softmax scale on dQ / dK. Nothing is rounded below fp32.
+* Once at the end of the block, the three fp32 accumulators are added into the caller's unpadded
+  ``dq_acc, dk_acc, dv_acc`` with the softmax scale on dQ / dK, each row read from the document's
+  padded row in FA4's in-tile order (read from its own postprocess, see
+  :func:`.bwd_accum._tile_order`): one fused pass each on CUDA (:mod:`.unpad_add_triton`), else
+  an ``index_select`` and an add. Nothing is rounded below fp32.
 
 Compile key (:class:`~.bwd_accum.AccumKey` with ``varlen=True``): no total length, max_seqlen or
 document count in it; FA4's > 256-document scheduler hint is never given to the main kernel, and
@@ -112,10 +113,18 @@ def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
     return _of_cu(cu, ("padded rows", total, tile), make)
 
 
-def _add_rows_(acc: torch.Tensor, accum: torch.Tensor, index: torch.Tensor, scale: float) -> None:
-    """``acc (total, heads, d) += scale *`` the rows of FA4's padded accumulator ``(heads, pad * d_r)``."""
+def _add_rows_(acc: torch.Tensor, accum: torch.Tensor, cu: torch.Tensor, tile: int, order: torch.Tensor,
+               d_r: int, scale: float) -> None:
+    """``acc (total, heads, d) += scale *`` the rows of FA4's padded accumulator ``(heads, pad *
+    d_r)`` (documents at ``cu``'s offsets, FA4's in-tile ``order``): one fused Triton pass on CUDA
+    (:mod:`.unpad_add_triton`), else a gather through the flat index and an add."""
+    from .unpad_add_triton import unpad_add_triton_
+
+    total, d = acc.shape[0], acc.shape[2]
+    if acc.is_cuda and unpad_add_triton_(acc, accum, _padded_rows_of(cu, total, tile), order, tile, d_r, scale):
+        return
     heads = accum.shape[0]
-    rows = accum.index_select(1, index).view(heads, acc.shape[0], acc.shape[2])
+    rows = accum.index_select(1, _gather_index(cu, total, tile, order, d, d_r)).view(heads, total, d)
     acc.add_(rows.permute(1, 0, 2), alpha=scale)
 
 
@@ -205,11 +214,10 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if fake:
         return key
     _CACHE[key](*_args([t.detach() for t in tensors], cu, scale, wl, wr))
-    _add_rows_(dq_acc, dq_accum, _gather_index(cu[0], total_q, tm, _tile_order(arch, q.dtype, d, "dq", q.device),
-                                               d, d_r), scale)
-    index_k = _gather_index(cu[1], total_k, tn, _tile_order(arch, q.dtype, d, "dkv", q.device), d, d_r)
-    _add_rows_(dk_acc, dk_accum, index_k, scale)
-    _add_rows_(dv_acc, dv_accum, index_k, 1.0)
+    _add_rows_(dq_acc, dq_accum, cu[0], tm, _tile_order(arch, q.dtype, d, "dq", q.device), d_r, scale)
+    order_k = _tile_order(arch, q.dtype, d, "dkv", q.device)
+    _add_rows_(dk_acc, dk_accum, cu[1], tn, order_k, d_r, scale)
+    _add_rows_(dv_acc, dv_accum, cu[1], tn, order_k, d_r, 1.0)
     return key
 
 

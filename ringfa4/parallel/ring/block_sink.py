@@ -6,7 +6,7 @@ import torch
 
 from . import calls
 from .buffers import KVBuffers
-from .run import RingRun, acc_dtype, cap_of, row_dim
+from .run import RingRun, acc_dtype, cap_of, direct_home, row_dim
 
 __all__ = ["BlockGradSink"]
 
@@ -17,7 +17,11 @@ class BlockGradSink:
     else in the inputs' dtype; dq adds into fp32, dK/dV into the
     travelling buffer (fp32, or k's dtype on a 16-bit wire) once the hop has arrived, or, for the
     blocks of rows that never travel (``blk.home``: a balanced pack's whole documents), into an
-    fp32 accumulator that stays home. One group, not in place (a :class:`~.protocols.GradSink`)."""
+    fp32 accumulator that stays home. Where those whole documents form one call of exactly the
+    rows after the travelling prefix (:func:`~.run.direct_home`), that call is their only one: its
+    backward gives the final dq / dk / dv of those rows in the inputs' dtype (one varlen call's
+    numerics), with no fp32 accumulator for them. One group, not in place (a
+    :class:`~.protocols.GradSink`)."""
 
     groups, in_place = 1, False
 
@@ -26,13 +30,18 @@ class BlockGradSink:
         self.run, self.douts, self.qs, self.outs, self.lses, self.ks, self.vs = run, douts, qs, outs, lses, ks, vs
         wire = acc if run.options.dkv_wire_fp32 else ks[0].dtype
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)
-        self.dqs = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in qs]
+        sched = run.schedule
+        self.direct = [direct_home(run, sched.blocks(r, 0), r) if sched.travel_rows(r) < sched.rows(r) else None
+                       for r in run.ranks]
+        self.finals: list = [None] * len(qs)  # the direct call's (dq, dk, dv) per local rank
+        self.dqs = [torch.zeros(q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=acc,
+                                device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
         # fp32 block gradients (the backend's backward_accumulate) where asked and not already exact
         self.fp32 = run.options.fp32_grads and qs[0].dtype != acc
-        sched = run.schedule
         self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device),
                       torch.zeros(v.shape, dtype=acc, device=v.device))
-                     if sched.travel_rows(r) < sched.rows(r) else None for k, v, r in zip(ks, vs, run.ranks)]
+                     if sched.travel_rows(r) < sched.rows(r) and c is None else None
+                     for k, v, r, c in zip(ks, vs, run.ranks, self.direct)]
 
     def zeros(self, g: int, device) -> torch.Tensor:
         return self.bufs.zeros(device)
@@ -44,14 +53,18 @@ class BlockGradSink:
         mine = []
         for blk in blocks:
             tensors = (self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i])
-            kept = calls.backward_fp32(self.run.backend, blk, tensors, self.run.spec, self.dqs[i]) if (
+            if blk is self.direct[i]:
+                self.finals[i] = calls.backward(self.run.backend, blk, tensors, self.run.spec)
+                continue
+            home = self.home[i] if blk.home else None  # there already: added into in place
+            kept = calls.backward_fp32(self.run.backend, blk, tensors, self.run.spec, self.dqs[i], home) if (
                 self.fp32) else None
             if kept is None:
                 dq, dk, dv = calls.backward(self.run.backend, blk, tensors, self.run.spec)
                 blk.add_q(self.dqs[i], dq)
-            else:
-                dk, dv = kept
-            mine.append((blk, dk, dv))
+                kept = (dk, dv)
+            if kept:
+                mine.append((blk, *kept))
         return mine
 
     def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
@@ -62,12 +75,17 @@ class BlockGradSink:
             blk.add_k(dst_v, dv)
 
     def dq(self) -> list[torch.Tensor]:
-        return [dq.to(q.dtype) for dq, q in zip(self.dqs, self.qs)]
+        return [dq.to(q.dtype) if f is None else calls.join_rows(dq, f[0], q.dtype)
+                for dq, q, f in zip(self.dqs, self.qs, self.finals)]
 
     def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
         dks, dvs = [], []
         for i, (buf, n) in enumerate(zip(bufs[0], rows)):
             dk, dv = self.bufs.view(buf, n)
+            if self.finals[i] is not None:
+                dks.append(calls.join_rows(dk, self.finals[i][1], self.ks[i].dtype))
+                dvs.append(calls.join_rows(dv, self.finals[i][2], self.vs[i].dtype))
+                continue
             if self.home[i] is not None:  # the travelled prefix added to what stayed home
                 self.home[i][0].narrow(row_dim(dk), 0, n).add_(dk)
                 self.home[i][1].narrow(row_dim(dv), 0, n).add_(dv)

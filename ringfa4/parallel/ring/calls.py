@@ -15,8 +15,8 @@ import torch
 from ...kernels.merge import merge_lse_, merge_planes_
 from ...kernels.spec import AttnSpec, BlockBackend
 
-__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "kv_heads", "kv_rows",
-           "merge", "merge_planes", "merge_rows"]
+__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "join_rows", "kv_heads",
+           "kv_rows", "merge", "merge_planes", "merge_rows"]
 
 
 def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
@@ -93,11 +93,15 @@ def backward(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base
 
 
 def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base: AttnSpec,
-                  dq_acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  dq_acc: torch.Tensor, dkv_acc: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block's gradients kept in fp32 (the backend's ``backward_accumulate``): dq added into
-    the rank's fp32 ``dq_acc`` (its rows; gathered and put back where they are not a view), dk / dv
-    returned as fresh fp32 tensors of the block's kv rows; None, touching nothing, where the backend
-    cannot (the caller then uses :func:`backward`). ``tensors`` as for :func:`backward`."""
+    the rank's fp32 ``dq_acc`` (its rows; gathered and put back where they are not a view); dk / dv
+    added straight into ``dkv_acc = (dk_acc, dv_acc)`` (fp32, the held K/V's rows) where given and
+    the block's key rows are a view of them (then ``()`` is returned), else returned as fresh fp32
+    tensors of the block's kv rows (the caller adds them: :meth:`add_k`); None, touching nothing,
+    where the backend cannot (the caller then uses :func:`backward`). ``tensors`` as for
+    :func:`backward`."""
     dout, q, k, v, out, lse = tensors
     l = blk.lse_rows(lse)
     if blk.token_dim == 0:
@@ -105,14 +109,30 @@ def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...],
     kb, vb = blk.k_rows(k), blk.k_rows(v)
     dq = blk.q_rows(dq_acc) if blk.q_is_view else torch.zeros(blk.q_rows(q).shape, dtype=dq_acc.dtype,
                                                                device=dq_acc.device)
-    dk = torch.zeros(kb.shape, dtype=dq_acc.dtype, device=kb.device)
-    dv = torch.zeros(vb.shape, dtype=dq_acc.dtype, device=vb.device)
+    direct = dkv_acc is not None and blk.k_is_view
+    if direct:
+        dk, dv = blk.k_rows(dkv_acc[0]), blk.k_rows(dkv_acc[1])
+    else:
+        dk = torch.zeros(kb.shape, dtype=dq_acc.dtype, device=kb.device)
+        dv = torch.zeros(vb.shape, dtype=dq_acc.dtype, device=vb.device)
     if not backend.backward_accumulate(blk.q_rows(dout), blk.q_rows(q), kb, vb, blk.q_rows(out), l,
                                        blk.spec(base, q.device), (dq, dk, dv)):
         return None
     if not blk.q_is_view:
         blk.add_q(dq_acc, dq)
-    return dk, dv
+    return () if direct else (dk, dv)
+
+
+def join_rows(head: torch.Tensor, tail: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cat([head, tail])`` along the packed token dim in ``dtype``: a rank's travelling rows
+    (fp32 accumulated) followed by the rows one call wrote in full (:func:`~.run.direct_home`);
+    ``tail`` itself where ``head`` has no rows."""
+    if head.shape[0] == 0:
+        return tail if tail.dtype == dtype else tail.to(dtype)
+    out = torch.empty((head.shape[0] + tail.shape[0],) + tuple(tail.shape[1:]), dtype=dtype, device=tail.device)
+    out[: head.shape[0]].copy_(head)
+    out[head.shape[0]:].copy_(tail)
+    return out
 
 
 def accumulate(state, blk, kv: tuple[torch.Tensor, torch.Tensor], base: AttnSpec, dk_acc: torch.Tensor,
