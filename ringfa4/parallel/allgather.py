@@ -147,7 +147,7 @@ def allgather_forward(run, qs, ks, vs):
         for call in run.schedule.blocks(r):
             held = (ks[i], vs[i]) if call.home else kv[i]
             if call is direct:
-                o, _ = calls.forward(run.backend, call, q, *held, run.spec, scratch[0], lse)
+                o, _ = calls.forward(run.backend, call, q, *held, run.spec, final, lse)
                 call.put_q(final, o)
                 continue
             o, l = calls.forward(run.backend, call, q, *held, run.spec, *scratch)

@@ -116,8 +116,8 @@ class StepMerge:
     def block(self, i: int, blk, q, k, v, rows: int) -> None:
         run = self.run
         if blk is self.direct[i]:  # the whole documents: their lse rows and final out rows, no merge
-            o, _ = calls.forward(run.backend, blk, q, k, v, run.spec, self.target(i)[0], self.lses[i])
-            blk.put_q(self.finals[i], o)  # (through the fp32 scratch: the same kernels for every pack)
+            o, _ = calls.forward(run.backend, blk, q, k, v, run.spec, self.finals[i], self.lses[i])
+            blk.put_q(self.finals[i], o)  # (a no-op where the backend wrote there: q's dtype, one call)
             return
         o, l = calls.forward(run.backend, blk, q, k, v, run.spec, *self.target(i))
         if self.fresh[i] and blk.covers(self.acc_rows[i]):
