@@ -289,3 +289,20 @@ def test_whole_documents_take_one_call_backward(P, travel, monkeypatch):
         dq, dk, dv = be.backward(do[home], q[home], k[home], v[home], o, lse, spec)
         for name, a, b in (("dq", got[2], dq), ("dk", got[3], dk), ("dv", got[4], dv)):
             assert torch.equal(a[home], b), f"rank {r} {name}: whole documents differ from one call"
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_allgather_value_dim_differs(P, monkeypatch):
+    """The all-gather with V rows of another shape than K rows (d_v = 2 d): its gathered rows and
+    the reduce-scatter's buffer are copies, not views; float64 exact."""
+    monkeypatch.setattr(context_module, "prefer_allgather", lambda *a: True)
+    lengths = [30, 5, 60, 200, 7, 1, 90, 33, 0, 44]
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(P)
+    q, k = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2))
+    v, do = (torch.randn(sum(lengths), n, 16, generator=g).double() for n in (2, 4))
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference")
+    assert cp.pack(cu).uses_allgather(4, 2) and cp.pack(cu).packing.split_docs()
+    base = _base_errors(q, k, v, do, cu, {"causal": True}, ref)
+    _check(_run(cp, q, k, v, do, cu, {"causal": True}), ref, base, torch.float64, f"d_v = 2 d, P={P}")

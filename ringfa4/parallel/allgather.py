@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -50,8 +51,9 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
 @dataclass(frozen=True, eq=False)
 class AllGatherSchedule(PackSchedule):
     """Blocks of ``rank``'s q against whole documents: the travelling (split) documents from the
-    gathered K/V, kept in global order of their tokens; a balanced pack's whole documents from the
-    rank's own K/V (``home`` calls)."""
+    gathered K/V (:class:`GatheredCall`: key positions in the documents' global order, read from
+    the gathered rows); a balanced pack's whole documents from the rank's own K/V (``home``
+    calls)."""
 
     @cached_method
     def _gathered_starts(self) -> dict[int, int]:
@@ -63,23 +65,26 @@ class AllGatherSchedule(PackSchedule):
         return out
 
     @cached_method
-    def global_rows(self, device: torch.device) -> torch.Tensor:
-        """For each travelling token in global order, its row in the rank-major gathered buffer
-        (rank * cap + local)."""
-        starts, cap = self._gathered_starts(), self.max_travel_rows
-        idx = torch.empty(sum(self.pack.doc_lengths[d] for d in starts), dtype=torch.long)
+    def _doc_pieces(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per travelling document its pieces in document order: (pos, length, gathered row), the
+        row being ``rank * 2 * cap + local`` (:func:`gathered_rows`: the rank-major ``[k | v]``
+        buffers of ``cap`` rows each, viewed as rows)."""
+        out: dict[int, list] = {}
+        two_cap = 2 * self.max_travel_rows
         for r in range(self.world_size):
             for s in self.pack.segments(r):
                 if s.travels:
-                    at = starts[s.doc] + s.pos
-                    idx[at:at + s.length] = torch.arange(s.local, s.local + s.length) + r * cap
-        return idx.to(device)
+                    out.setdefault(s.doc, []).append((s.pos, s.length, r * two_cap + s.local))
+        return {doc: sorted(p) for doc, p in out.items()}
 
-    @cached_method
-    def owner_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`global_rows` as (owner rank, its local row), int64 each."""
-        idx = self.global_rows(device)
-        return idx // self.max_travel_rows, idx % self.max_travel_rows
+    def _runs(self, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
+        """Document ``doc``'s key positions ``[a, b)`` as runs (gathered row, length)."""
+        runs = []
+        for pos, n, row in self._doc_pieces()[doc]:
+            lo, hi = max(a, pos), min(b, pos + n)
+            if lo < hi:
+                runs.append((row + lo - pos, hi - lo))
+        return tuple(runs)
 
     @cached_method
     def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
@@ -93,8 +98,32 @@ class AllGatherSchedule(PackSchedule):
             else:
                 b = band_block((s.local, s.pos, s.length), (starts[s.doc], 0, self.pack.doc_lengths[s.doc]), lo, hi)
             if b is not None:
-                groups.setdefault((s.part, b.causal, b.window, home), []).append((b.q0, b.q1, b.k0, b.k1))
-        return tuple(VarlenCall(tuple(sorted(p)), key[1], key[2], key[3]) for key, p in sorted(groups.items(), key=str))
+                runs = () if home else self._runs(s.doc, b.k0 - starts[s.doc], b.k1 - starts[s.doc])
+                groups.setdefault((s.part, b.causal, b.window, home), []).append(((b.q0, b.q1, b.k0, b.k1), runs))
+        out = []
+        for key, got in sorted(groups.items(), key=str):
+            got.sort()
+            pairs = tuple(p for p, _ in got)
+            out.append(VarlenCall(pairs, key[1], key[2], True) if key[3] else
+                       GatheredCall(pairs, key[1], key[2], False, tuple(r for _, r in got)))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class GatheredCall(VarlenCall):
+    """A call of travelling documents: its key rows (``pairs``' k ranges are positions in the
+    documents' global order) read from the gathered buffers' rows, where a document's pieces
+    sit rank-major: ``k_runs`` holds, per pair, its (gathered row, length) runs. The held K is the
+    rows view of the gathered buffers and the held V the same view ``cap`` rows on
+    (:func:`gathered_rows`), so one index serves both and the keys are gathered once a call,
+    straight from what the all-gather received; dK/dV go back by the same index into the
+    reduce-scatter's buffer."""
+
+    k_runs: tuple[tuple[tuple[int, int], ...], ...] = ()
+    k_contiguous: ClassVar[bool] = False
+
+    def _key_index(self, device: torch.device) -> torch.Tensor:
+        return torch.cat([torch.arange(row, row + n) for runs in self.k_runs for row, n in runs]).to(device)
 
 
 def _layout(k, v, cap):
@@ -110,20 +139,32 @@ def _flat(k, v, cap, dtype=None):
     return buf
 
 
+def gathered_rows(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held (K, V) of :class:`GatheredCall` from rank-major ``[k | v]`` buffers of ``cap`` rows
+    each (what the all-gather returns, or the reduce-scatter's buffer): ``K (P * 2 cap, ...)`` their
+    rows, V the same rows ``cap`` on, so row ``rank * 2 cap + local`` of either is that rank's
+    token. Views where K and V rows have one shape; else copies into two such buffers (half of each
+    unused)."""
+    ks, vs, kn, n = _layout(k, v, cap)
+    world = flat.numel() // n
+    if ks == vs:
+        rows = flat.view((world * 2 * cap,) + ks[1:])
+        return rows, rows[cap:]
+    per = flat.view(world, n)
+    k_rows = flat.new_zeros((world, 2 * cap) + ks[1:])
+    v_rows = flat.new_zeros((world, 2 * cap) + vs[1:])
+    k_rows[:, :cap] = per[:, :kn].view((world,) + ks)
+    v_rows[:, cap:] = per[:, kn:].view((world,) + vs)
+    return k_rows.view((-1,) + ks[1:]), v_rows.view((-1,) + vs[1:])[cap:]
+
+
 def _gathered_kv(run, ks, vs):
-    """Per local rank: (k, v) of all travelling tokens in global packed order."""
-    sched, cap = run.schedule, run.schedule.max_travel_rows
-    shapes = _layout(ks[0], vs[0], cap)
-    ks, vs = travelling(run, ks, vs)
-    gathered = run.transport.all_gather([_flat(k, v, cap) for k, v in zip(ks, vs)])
-    out = []
-    for g in gathered:
-        rows = g.view(sched.world_size, shapes[3])
-        k_all = rows[:, : shapes[2]].reshape((-1,) + shapes[0][1:])
-        v_all = rows[:, shapes[2]:].reshape((-1,) + shapes[1][1:])
-        idx = sched.global_rows(g.device)
-        out.append((k_all.index_select(0, idx), v_all.index_select(0, idx)))
-    return out
+    """Per local rank: the held (K, V) of :func:`gathered_rows` over every rank's travelling rows."""
+    cap = run.schedule.max_travel_rows
+    tk, tv = travelling(run, ks, vs)
+    gathered = run.transport.all_gather([_flat(k, v, cap) for k, v in zip(tk, tv)])
+    return [gathered_rows(g, ks[0], vs[0], cap) for g in gathered]
 
 
 def allgather_forward(run, qs, ks, vs):
@@ -168,11 +209,10 @@ def allgather_forward(run, qs, ks, vs):
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     """Same contract as :func:`ring_backward`: the travelling dK/dV summed over ranks by one
     reduce-scatter; a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32
-    dK/dV straight into the accumulators of the gathered rows where their key rows are a slice of
-    them; the accumulators are written into the reduce-scatter's rank-major buffer by one indexed
-    copy each. The rank's whole documents, when one call of exactly the rows after the travelling
-    prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv from that call alone in
-    the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
+    dK/dV by their key index straight into the reduce-scatter's rank-major buffer (laid out as
+    :func:`gathered_rows` lays out K/V). The rank's whole documents, when one call of exactly the
+    rows after the travelling prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv
+    from that call alone in the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
     sched, cap = run.schedule, run.schedule.max_travel_rows
     kv = _gathered_kv(run, ks, vs)
     dqs, fulls, homes, finals = [], [], [], []
@@ -182,8 +222,7 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         direct = direct_home(run, blocks, r)
         dq = torch.zeros(qs[i].shape if direct is None else (travel,) + tuple(qs[i].shape[1:]), dtype=acc,
                          device=qs[i].device)
-        dk = torch.zeros(kv[i][0].shape, dtype=acc, device=dq.device)
-        dv = torch.zeros(kv[i][1].shape, dtype=acc, device=dq.device)
+        flat, (dk, dv), bases = _grad_rows(sched.world_size, ks[i], vs[i], cap, acc)
         home = None if travel == sched.rows(r) or direct is not None else (
             torch.zeros(ks[i].shape, dtype=acc, device=dq.device),
             torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
@@ -205,7 +244,7 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
                 call.add_k(dst[1], kept[1])
         homes.append(home)
         finals.append(final)
-        fulls.append(_rank_major(sched, dk, dv, ks[i], vs[i]))
+        fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
         dqs.append(dq.to(qs[i].dtype) if final is None else calls.join_rows(dq, final[0], qs[i].dtype))
     mine = run.transport.reduce_scatter(fulls)
     dks, dvs = [], []
@@ -226,16 +265,25 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     return dqs, dks, dvs
 
 
-def _rank_major(sched: AllGatherSchedule, dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-    """The reduce-scatter's flat buffer: per owner rank ``[dk | dv]`` of ``cap`` rows (as
-    :func:`_flat` lays out K/V), filled from the gathered-order accumulators ``dk, dv (T, h_kv,
-    d)`` by one indexed copy each; rows no rank owns (past a rank's travelling tokens) are zero."""
-    cap, world = sched.max_travel_rows, sched.world_size
-    ks, vs, kn, n = _layout(k, v, cap)
-    owners = [sched.travel_rows(r) for r in range(world)]
-    full = (torch.zeros if min(owners) < cap else torch.empty)((world, n), dtype=dk.dtype, device=dk.device)
-    rank, row = sched.owner_rows(dk.device)
-    full[:, :kn].view((world,) + ks).index_put_((rank, row), dk)
-    full[:, kn:].view((world,) + vs).index_put_((rank, row), dv)
-    return full.view(-1)
+def _grad_rows(world: int, k: torch.Tensor, v: torch.Tensor, cap: int, dtype: torch.dtype):
+    """Zeroed dK/dV accumulators laid out as :func:`gathered_rows` lays out K/V: ``(flat, (dk,
+    dv), None)`` with ``flat`` the reduce-scatter's buffer itself where K and V rows have one
+    shape, else ``(None, (dk, dv), (dk_rows, dv_rows))`` for :func:`_rank_major`."""
+    ks, vs, _, n = _layout(k, v, cap)
+    if ks == vs:
+        flat = torch.zeros(world * n, dtype=dtype, device=k.device)
+        rows = flat.view((world * 2 * cap,) + ks[1:])
+        return flat, (rows, rows[cap:]), None
+    k_rows = torch.zeros((world * 2 * cap,) + ks[1:], dtype=dtype, device=k.device)
+    v_rows = torch.zeros((world * 2 * cap,) + vs[1:], dtype=dtype, device=k.device)
+    return None, (k_rows, v_rows[cap:]), (k_rows, v_rows)
+
+
+def _rank_major(k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int
+                ) -> torch.Tensor:
+    """The reduce-scatter's flat rank-major ``[dk | dv]`` buffer from :func:`_grad_rows`' two row
+    buffers (K and V rows of different shapes)."""
+    world = k_rows.shape[0] // (2 * cap)
+    k_part = k_rows.view(world, 2 * cap, -1)[:, :cap].reshape(world, -1)
+    v_part = v_rows.view(world, 2 * cap, -1)[:, cap:].reshape(world, -1)
+    return torch.cat([k_part, v_part], 1).reshape(-1)
