@@ -163,8 +163,9 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
         for mode in modes:
             pack = cp.pack(cu, mode)
             packing, allgather = pack.packing, pack.uses_allgather(H, HK)
-            fwd, bwd = (allgather_forward, allgather_backward) if allgather else (ring_forward, ring_backward)
             dense = pack.is_one_dense_sequence()  # the API runs it on the dense ring: so is it timed
+            fwd, bwd = (allgather_forward, allgather_backward) if allgather and not dense else (ring_forward,
+                                                                                             ring_backward)
             base = (cp.run(sets[0][0].unsqueeze(0), AttnSpec(causal=True), seq_len=total) if dense else
                     cp.run(sets[0][0], AttnSpec(causal=True), packing, allgather))
             shard = functools.partial(_shard, packing, dense)
@@ -210,12 +211,13 @@ def main() -> None:
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     worlds = [int(p) for p in args.worlds.split(",")]
     solver = _solver_ms()
-    rows = [row for name in args.mixes.split(",") for row in bench_mix(name, worlds, args.modes.split(","), be,
-                                                                      args.rep, args.profile)]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
-                   "backend": be.name, "solver_ms_1000_docs": solver, "rows": rows}, f, indent=1)
+    rows = []
+    for name in args.mixes.split(","):  # saved after every mix: a run cut short keeps what it measured
+        rows += bench_mix(name, worlds, args.modes.split(","), be, args.rep, args.profile)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
+                       "backend": be.name, "solver_ms_1000_docs": solver, "rows": rows}, f, indent=1)
     print(f"\npacked documents, each simulated rank alone on one {torch.cuda.get_device_name()} ({be.name}; "
           f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents")
     print("| mix | P | mode (K/V) | pass | split / docs | one call ms | slowest rank ms | efficiency | "
