@@ -10,8 +10,9 @@ and the same (q part, kv part) become one varlen call. Thanks to the part-major 
 ranges tile contiguous local rows (one slice). Where some document drops out (an empty chunk, a
 causal pair with nothing visible, or a window) the group is cut into calls of contiguous query rows
 (:func:`q_runs`): an extra launch costs less than gathering q, out, dout and lse and scattering dq
-and the merge back (measured on the H200: the long-tail pack's gathers and scatters were 13% of
-a rank's backward); key rows that skip may still be gathered. No call ever holds an empty segment.
+and the merge back (measured on the H200: the long-tail pack's row gathers and indexed adds were
+about 8% of a rank's forward+backward kernel time); key rows that skip may still be gathered. No
+call ever holds an empty segment.
 """
 
 from __future__ import annotations
