@@ -106,7 +106,7 @@ def _profile(step, shards, reps: int = 5) -> dict:
     by kernel group, the busy share and the 8 longest kernels (ms a step, calls a step)."""
     from ring_profile import group_of
 
-    call = rotating(lambda *t: step(*t), shards)
+    call = rotating(step, shards)
     for _ in range(2):
         call()
     torch.cuda.synchronize()
