@@ -18,7 +18,7 @@ import torch
 
 from .merge import merge_planes_
 from .sinks import apply_sinks_
-from .spec import AttnSpec, band_mask, check_grads
+from .spec import AttnSpec, band_mask, check_grads, materialized
 from .validate import validate_block
 
 __all__ = ["ReferenceBackend"]
@@ -197,24 +197,29 @@ class ReferenceBackend:
                             out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
         """:meth:`backward`'s gradients in the compute dtype, added into ``grads = (dq_acc, dk_acc,
-        dv_acc)`` (float32 or float64, shaped like q / k / v, dense or varlen; views allowed) without
-        rounding to the inputs' dtype first. Always True (the reference runs every call)."""
+        dv_acc)`` (float32 or float64, shaped like q / k / v, dense or varlen; views allowed; dk / dv
+        may be :class:`~.spec.RowsAt`) without rounding to the inputs' dtype first. Always True (the
+        reference runs every call)."""
         validate_block(q, k, v, spec)
         dq_acc, dk_acc, dv_acc = check_grads(grads, q, k, v, (torch.float32, torch.float64))
+        (dk_acc, dk_rows), (dv_acc, dv_rows) = materialized(dk_acc), materialized(dv_acc)
         if not spec.varlen:
             dq, dk, dv = self._backward_dense(dout, q, k, v, out, lse, spec)
             dq_acc += dq
             dk_acc += dk
             dv_acc += dv
-            return True
-        docs, dense = self._docs(spec)
-        for a, b, c, e in docs:
-            if b > a and e > c:
-                g = self._backward_dense(dout[None, a:b], q[None, a:b], k[None, c:e], v[None, c:e],
-                                         out[None, a:b], lse[None, :, a:b], dense)
-                dq_acc[a:b] += g[0][0]
-                dk_acc[c:e] += g[1][0]
-                dv_acc[c:e] += g[2][0]
+        else:
+            docs, dense = self._docs(spec)
+            for a, b, c, e in docs:
+                if b > a and e > c:
+                    g = self._backward_dense(dout[None, a:b], q[None, a:b], k[None, c:e], v[None, c:e],
+                                             out[None, a:b], lse[None, :, a:b], dense)
+                    dq_acc[a:b] += g[0][0]
+                    dk_acc[c:e] += g[1][0]
+                    dv_acc[c:e] += g[2][0]
+        for rows, got in ((dk_rows, dk_acc), (dv_rows, dv_acc)):
+            if rows is not None:
+                rows.add_(got)
         return True
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

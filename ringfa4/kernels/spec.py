@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 __all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "KVGradLayout", "PlainBackend",
-           "allowed_band", "band_mask", "check_grads"]
+           "RowsAt", "allowed_band", "band_mask", "check_grads", "materialized"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -138,20 +138,64 @@ def band_mask(spec: AttnSpec, s_q: int, s_k: int, device: torch.device | str = "
     return mask
 
 
+@dataclass(frozen=True, eq=False)
+class RowsAt:
+    """A dK / dV accumulator given as rows of a bigger one: row ``i`` of the block's gradient adds
+    into ``base[index[i]]``. ``base (n_base, h_kv, d)`` float32 (float64 for the reference backend),
+    last-dim stride 1; ``index (n,)`` int64 on its device, duplicates allowed (their rows add). How a
+    block whose key rows were gathered by ``index`` (``base.index_select(0, index)`` of the K / V
+    it read) hands back its dK / dV with no gathered-size fp32 buffer."""
+
+    base: torch.Tensor
+    index: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.index.numel(),) + tuple(self.base.shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    def add_(self, rows: torch.Tensor) -> None:
+        """``base[index] += rows`` (duplicates summed)."""
+        self.base.index_add_(0, self.index, rows.to(self.base.dtype))
+
+
+def materialized(acc):
+    """``(acc, None)`` for a tensor; ``(zeros like its rows, acc)`` for a :class:`RowsAt`, whose
+    ``add_`` the caller then runs on the filled zeros (how a backend without an indexed path takes
+    one)."""
+    if isinstance(acc, RowsAt):
+        return torch.zeros(acc.shape, dtype=acc.dtype, device=acc.device), acc
+    return acc, None
+
+
 def check_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple:
     """``grads = (dq_acc, dk_acc, dv_acc)`` of ``backward_accumulate``: shaped like q / k / v, of one of
-    ``dtypes``, on q's device, last-dim stride 1; else a ValueError naming the tensor."""
+    ``dtypes``, on q's device, last-dim stride 1 (dk / dv may be :class:`RowsAt` whose rows are
+    shaped like k / v, its base and an int64 index on q's device); else a ValueError naming the
+    tensor."""
     if not isinstance(grads, (tuple, list)) or len(grads) != 3:
         raise ValueError(f"grads must be a (dq_acc, dk_acc, dv_acc) tuple, got {type(grads).__name__}")
     for name, acc, like in (("dq_acc", grads[0], q), ("dk_acc", grads[1], k), ("dv_acc", grads[2], v)):
-        if not isinstance(acc, torch.Tensor) or tuple(acc.shape) != tuple(like.shape) or acc.dtype not in dtypes \
+        rows = isinstance(acc, RowsAt) and name != "dq_acc"
+        t = acc.base if rows else acc
+        if not isinstance(t, torch.Tensor) or tuple(acc.shape) != tuple(like.shape) or acc.dtype not in dtypes \
                 or acc.device != q.device:
-            got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}" if isinstance(acc, torch.Tensor) \
+            got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}" if isinstance(t, torch.Tensor) \
                 else type(acc).__name__
             raise ValueError(f"{name} must be {tuple(like.shape)} of {dtypes} on {q.device}, got {got}")
-        if acc.numel() and acc.stride(-1) != 1:
-            raise ValueError(f"{name} must have last-dim stride 1, got strides {acc.stride()}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have last-dim stride 1, got strides {t.stride()}")
+        if rows and (acc.index.dtype != torch.int64 or acc.index.dim() != 1 or acc.index.device != q.device):
+            raise ValueError(f"{name}.index must be (n,) int64 on {q.device}, got {tuple(acc.index.shape)} "
+                             f"{acc.index.dtype} on {acc.index.device}")
     return grads[0], grads[1], grads[2]
 
 
@@ -169,8 +213,9 @@ class BlockBackend(Protocol):
     backward_accumulate(dout, q, k, v, out, lse, spec, grads) -> bool
         The same block gradients ADDED into ``grads = (dq_acc, dk_acc, dv_acc)``: float32
         accumulators shaped like q / k / v (dense ``(b, s, h, d)`` or varlen ``(total, h, d)``;
-        views with last-dim stride 1, e.g. row slices of a bigger buffer; float64 also taken by
-        the reference backend), never rounded to the inputs' dtype on the way. Returns True, or
+        views with last-dim stride 1, e.g. row slices of a bigger buffer; dk / dv may be
+        :class:`RowsAt`, rows of a bigger one by index; float64 also taken by the reference
+        backend), never rounded to the inputs' dtype on the way. Returns True, or
         False touching nothing where it cannot (the caller then uses ``backward``). Malformed
         accumulators are a ValueError naming the tensor.
     fp32_block_outputs(device) -> bool

@@ -29,7 +29,6 @@ from .memo import cached_method
 from .packing import Packing
 from .ring import calls
 from .ring.buffers import travelling
-from .ring.forward import ExactLse
 from .ring.run import direct_home
 from .varlen import PackSchedule, VarlenCall
 
@@ -99,13 +98,13 @@ class AllGatherSchedule(PackSchedule):
                 b = band_block((s.local, s.pos, s.length), (starts[s.doc], 0, self.pack.doc_lengths[s.doc]), lo, hi)
             if b is not None:
                 runs = () if home else self._runs(s.doc, b.k0 - starts[s.doc], b.k1 - starts[s.doc])
-                groups.setdefault((s.part, b.causal, b.window, home), []).append(((b.q0, b.q1, b.k0, b.k1), runs))
+                groups.setdefault((b.causal, b.window, home), []).append(((b.q0, b.q1, b.k0, b.k1), runs))
         out = []
         for key, got in sorted(groups.items(), key=str):
             got.sort()
             pairs = tuple(p for p, _ in got)
-            out.append(VarlenCall(pairs, key[1], key[2], True) if key[3] else
-                       GatheredCall(pairs, key[1], key[2], False, tuple(r for _, r in got)))
+            out.append(VarlenCall(pairs, key[0], key[1], True) if key[2] else
+                       GatheredCall(pairs, key[0], key[1], False, tuple(r for _, r in got)))
         return tuple(out)
 
 
@@ -168,40 +167,30 @@ def _gathered_kv(run, ks, vs):
 
 
 def allgather_forward(run, qs, ks, vs):
-    """Same contract as :func:`ring_forward`, packed tensors only. A rank's whole documents, when
-    they form one call after its travelling rows (:func:`~.ring.run.direct_home`), write their rows
-    of the output and lse themselves (no merge)."""
+    """Same contract as :func:`ring_forward`, packed tensors only. Every local row is in exactly
+    one call (a segment is one block: its document's visible keys in one range), so each call
+    writes its rows of the output (q's dtype) and lse straight into the results: one varlen call's
+    numerics, no partials and no merge. With sinks the output is fp32 where the backend writes
+    fp32 blocks, rescaled by the sinks once and then cast."""
     kv = _gathered_kv(run, ks, vs)
     outs, lses = [], []
     for i, r in enumerate(run.ranks):
-        q = qs[i]
+        q, blocks = qs[i], run.schedule.blocks(r)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        direct = direct_home(run, run.schedule.blocks(r), r)
-        n_acc = q.shape[0] if direct is None else run.schedule.travel_rows(r)
-        acc = torch.zeros((n_acc,) + q.shape[1:-1] + (vs[i].shape[-1],), dtype=lse_dtype, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
-        fp32_parts = run.options.fp32_partials and run.backend.fp32_block_outputs(q.device)
-        scratch = (q.new_empty(q.shape[:-1] + (vs[i].shape[-1],), dtype=acc.dtype if fp32_parts else q.dtype),
-                   torch.empty_like(lse))
-        final = None if direct is None else q.new_empty(q.shape[:-1] + (vs[i].shape[-1],))
-        exact = ExactLse([lse])
-        for call in run.schedule.blocks(r):
+        wide = run.sinks is not None and run.backend.fp32_block_outputs(q.device)
+        covered = sum(b - a for c in blocks for a, b, _, _ in c.pairs) == q.shape[0]
+        out = (torch.empty if covered else torch.zeros)(q.shape[:-1] + (vs[i].shape[-1],), device=q.device,
+                                                        dtype=lse_dtype if wide else q.dtype)
+        for call in blocks:
             held = (ks[i], vs[i]) if call.home else kv[i]
-            if call is direct:
-                o, _ = calls.forward(run.backend, call, q, *held, run.spec, final, lse)
-                call.put_q(final, o)
-                continue
-            o, l = calls.forward(run.backend, call, q, *held, run.spec, *scratch)
-            calls.merge(call, acc, lse, o, l, run.options.merge_kernel)
-            exact.add(0, call, l)
-        exact.finish(None if direct is None else [n_acc])
-        if run.sinks is not None:  # once, on the merged result
-            apply_sinks_(acc, lse, run.sinks)
-        if final is None:
-            outs.append(acc.to(q.dtype))
-        else:
-            final[:n_acc] = acc
-            outs.append(final)
+            o, l = calls.forward(run.backend, call, q, *held, run.spec, out, lse)
+            call.put_q(out, o)
+            call.put_lse(lse, l)
+        if run.sinks is not None:  # once, on the final rows
+            apply_sinks_(out, lse, run.sinks)
+            out = out.to(q.dtype)
+        outs.append(out)
         lses.append(lse)
     return outs, lses
 

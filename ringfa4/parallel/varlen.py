@@ -95,6 +95,10 @@ class VarlenCall:
             return x.narrow(dim, self.pairs[0][2], self.pairs[-1][3] - self.pairs[0][2])
         return x.index_select(dim, self._meta(x.device)[4 if which == "q" else 5])
 
+    def k_index(self, device: torch.device) -> torch.Tensor | None:
+        """The int64 key rows :meth:`k_rows` gathers (None where they are one slice)."""
+        return self._meta(device)[5]
+
     def q_rows(self, x: torch.Tensor) -> torch.Tensor:
         return self._rows(x, "q")
 

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from ..spec import AttnSpec, check_grads
+from ..spec import AttnSpec, RowsAt, check_grads
 from .bwd_accum import _CACHE, AccumKey, _arch, _tile_order
 from .bwd_plan import make_kernel, plan, supported
 
@@ -113,19 +113,27 @@ def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
     return _of_cu(cu, ("padded rows", total, tile), make)
 
 
-def _add_rows_(acc: torch.Tensor, accum: torch.Tensor, cu: torch.Tensor, tile: int, order: torch.Tensor,
-               d_r: int, scale: float) -> None:
+def _add_rows_(acc, accum: torch.Tensor, cu: torch.Tensor, tile: int, order: torch.Tensor, d_r: int,
+               scale: float) -> None:
     """``acc (total, heads, d) += scale *`` the rows of FA4's padded accumulator ``(heads, pad *
-    d_r)`` (documents at ``cu``'s offsets, FA4's in-tile ``order``): one fused Triton pass on CUDA
-    (:mod:`.unpad_add_triton`), else a gather through the flat index and an add."""
+    d_r)`` (documents at ``cu``'s offsets, FA4's in-tile ``order``); ``acc`` may be a
+    :class:`~ringfa4.kernels.spec.RowsAt` (row ``i`` adds into ``base[index[i]]``). One fused Triton
+    pass on CUDA (:mod:`.unpad_add_triton`; atomic adds by the index), else a gather through the
+    flat index and an add."""
     from .unpad_add_triton import unpad_add_triton_
 
+    indexed = isinstance(acc, RowsAt)
+    dst, drow = (acc.base, acc.index) if indexed else (acc, None)
     total, d = acc.shape[0], acc.shape[2]
-    if acc.is_cuda and unpad_add_triton_(acc, accum, _padded_rows_of(cu, total, tile), order, tile, d_r, scale):
+    if dst.is_cuda and unpad_add_triton_(dst, accum, _padded_rows_of(cu, total, tile), order, tile, d_r, scale,
+                                         drow):
         return
     heads = accum.shape[0]
     rows = accum.index_select(1, _gather_index(cu, total, tile, order, d, d_r)).view(heads, total, d)
-    acc.add_(rows.permute(1, 0, 2), alpha=scale)
+    if indexed:
+        acc.add_(rows.permute(1, 0, 2).mul(scale))
+    else:
+        acc.add_(rows.permute(1, 0, 2), alpha=scale)
 
 
 def _canonical(key: AccumKey, tensors: list, cu: tuple, tm: int, tn: int, d_r: int) -> tuple[list, tuple]:
@@ -167,7 +175,8 @@ def _compile(key: AccumKey, tensors: list, cu: tuple, scale: float, wl, wr):
 def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, spec: AttnSpec, grads: tuple) -> AccumKey | None:
     """One packed block's gradients added into ``grads = (dq_acc (total_q, h, d), dk_acc, dv_acc
-    (total_k, h_kv, d))`` float32 (views with last-dim stride 1), from the merged ``out`` / ``dout``
+    (total_k, h_kv, d))`` float32 (views with last-dim stride 1; dk / dv may be
+    :class:`~ringfa4.kernels.spec.RowsAt`), from the merged ``out`` / ``dout``
     (like q; fp32 ones are cast to q's dtype, as FA4's preprocess requires) and ``lse (h, total_q)``
     float32, with ``spec``'s cu_seqlens / causal / window / softcap / softmax_scale. Every check runs
     before anything is written (a ValueError leaves the accumulators untouched). Returns the main

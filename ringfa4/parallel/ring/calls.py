@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.merge import merge_lse_, merge_planes_
-from ...kernels.spec import AttnSpec, BlockBackend
+from ...kernels.spec import AttnSpec, BlockBackend, RowsAt
 
 __all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "join_rows", "kv_heads",
            "kv_rows", "merge", "merge_planes", "merge_rows"]
@@ -97,8 +97,9 @@ def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...],
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block's gradients kept in fp32 (the backend's ``backward_accumulate``): dq added into
     the rank's fp32 ``dq_acc`` (its rows; gathered and put back where they are not a view); dk / dv
-    added straight into ``dkv_acc = (dk_acc, dv_acc)`` (fp32, the held K/V's rows) where given and
-    the block's key rows are a view of them (then ``()`` is returned), else returned as fresh fp32
+    added straight into ``dkv_acc = (dk_acc, dv_acc)`` (fp32, the held K/V's rows) where given (its
+    rows where the block's key rows are a view, else by the block's key index, as
+    :class:`~ringfa4.kernels.spec.RowsAt`; then ``()`` is returned), else returned as fresh fp32
     tensors of the block's kv rows (the caller adds them: :meth:`add_k`); None, touching nothing,
     where the backend cannot (the caller then uses :func:`backward`). ``tensors`` as for
     :func:`backward`."""
@@ -109,9 +110,12 @@ def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...],
     kb, vb = blk.k_rows(k), blk.k_rows(v)
     dq = blk.q_rows(dq_acc) if blk.q_is_view else torch.zeros(blk.q_rows(q).shape, dtype=dq_acc.dtype,
                                                                device=dq_acc.device)
-    direct = dkv_acc is not None and blk.k_is_view
-    if direct:
+    direct = dkv_acc is not None
+    if direct and blk.k_is_view:
         dk, dv = blk.k_rows(dkv_acc[0]), blk.k_rows(dkv_acc[1])
+    elif direct:  # gathered key rows: their gradients add back by the same index
+        index = blk.k_index(kb.device)
+        dk, dv = RowsAt(dkv_acc[0], index), RowsAt(dkv_acc[1], index)
     else:
         dk = torch.zeros(kb.shape, dtype=dq_acc.dtype, device=kb.device)
         dv = torch.zeros(vb.shape, dtype=dq_acc.dtype, device=vb.device)
