@@ -1,12 +1,14 @@
 """Cost-balanced placement of packed documents on CP ranks (``cp.pack(cu_seqlens)``'s default).
 
 A document is either kept **whole** on one rank (it needs no communication at all: its attention
-is one varlen call against the rank's own K/V) or **split**: cut into ``2P`` pieces by
-:func:`piece_bounds` (multiples of the backend's ``tile``, only the last non-empty piece shorter),
-two a rank, paired so that every rank's pair costs about the same (zigzag, pieces ``r`` and
-``2P-1-r``, for equal pieces): a long document costs every rank about the same (the dense path's
-causal balance). Only split documents' K/V travel (ring hops or the all-gather); a pack whose
-documents all stay whole moves nothing.
+is one varlen call against the rank's own K/V) or **split** over ``m`` ranks (2 <= m <= P): cut
+into ``2m`` pieces by :func:`piece_bounds` (multiples of the backend's ``tile``, only the last
+non-empty piece shorter), two a rank, paired so that every holder's pair costs about the same
+(zigzag, pieces ``j`` and ``2m-1-j``, for equal pieces): a long document costs each of its holders
+about the same (the dense path's causal balance). Only split documents' K/V travel (ring hops or
+the all-gather); a pack whose documents all stay whole moves nothing. Fewer holders mean bigger
+pieces and less spread: each holder needs its document's K/V up to its pieces and sends back
+gradients for them, ``m x L`` rows a document in all (the solver's tie-breaker, below).
 
 Cost model (per rank, the quantities the solver balances):
 
@@ -16,25 +18,29 @@ Cost model (per rank, the quantities the solver balances):
   ``L`` tokens: ``L (L+1) / 2``); bidirectional attention doubles every rank's count alike, windows
   are not modelled.
 
-With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means; split documents
-contribute to every rank), the solver:
+With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means), the solver:
 
 1. sorts documents by length, longest first (ties: lower index first);
-2. for ``k`` documents split (the ``k`` longest; each document's pieces paired cheapest with
-   dearest, which is zigzag for equal pieces and evens out the shorter last piece, the pairs going
-   dearest first to the rank whose ``max(tokens / T, pairs / F)`` they raise least), places the
-   others greedily in that order on the rank that minimizes ``max(tokens / T, pairs / F)`` after
-   adding it (ties: the lowest rank): the longest-processing-time rule, whose result on FLOPs is
-   at most ``F`` plus the largest whole document's pairs (the last document placed on the busiest
-   rank started below the mean), plus what the split documents leave uneven;
-3. takes the smallest ``k`` (from the documents that cannot be whole: longer than the token cap)
-   whose placement is within ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F``
-   (defaults 1.08 and 1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling
-   then bisection; if no ``k`` meets them (tiny packs, tile rounding) the evaluated placement with
-   the smallest ``max(tokens / T, pairs / F)``.
+2. places a candidate split: the split documents first, longest first, each one's pairs of
+   pieces (cheapest paired with dearest) going dearest first to the rank, among those holding none
+   of it yet, whose ``max(tokens / T, pairs / F)`` they raise least; then the others whole,
+   greedily in that order, on the rank that minimizes ``max(tokens / T, pairs / F)`` after adding
+   it (ties: the lowest rank): the longest-processing-time rule, whose result on FLOPs is at most
+   ``F`` plus the largest whole document's pairs (the last document placed on the busiest rank
+   started below the mean), plus what the split documents leave uneven;
+3. candidates: the ``k`` longest documents split over all P ranks, the smallest ``k`` (from the
+   documents that cannot be whole: longer than the token cap) whose placement is within
+   ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F`` (defaults 1.08 and
+   1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling then bisection; and,
+   where that splits anything, every document over ``m = ceil(c x max(L / T, pairs / F))`` ranks
+   (at most P; whole where m = 1) for the first spread ``c`` of :data:`SPREADS` within the bounds;
+4. keeps, of the candidates within the bounds, the one with the least spread ``sum m x L`` (ties:
+   fewer split documents); if none is within them (tiny packs, tile rounding) the evaluated
+   placement with the smallest ``max(tokens / T, pairs / F)``.
 
-Pure integer work, the same on every rank given the same cu_seqlens (the cross-rank check compares
-those); 1.4 ms for 1,000 documents at P = 8 (``benchmarks/varlen_sim.py`` times it).
+Pure integer work (and a float spread), the same on every rank given the same cu_seqlens (the
+cross-rank check compares those); 1.4 ms for 1,000 documents at P = 8 (``benchmarks/varlen_sim.py``
+times it).
 """
 
 from __future__ import annotations
@@ -65,10 +71,11 @@ def piece_pairs(pos: int, n: int) -> int:
 class DocPlacement:
     """Where each document of a pack lives.
 
-    owner: per document, the rank holding it whole, or -1 when it is split over all ranks;
-    world_size: P; tile: the split pieces' alignment; tokens / pairs: per rank, the rows and causal
-    pairs this placement gives (the balance reached); split_pieces: per split document, per rank,
-    the two pieces it holds (``(j, 2P-1-j)`` for equal pieces; empty for whole documents).
+    owner: per document, the rank holding it whole, or -1 when it is split; world_size: P; tile:
+    the split pieces' alignment; tokens / pairs: per rank, the rows and causal pairs this placement
+    gives (the balance reached); split_pieces: per document, per rank, the two pieces it holds of
+    the document's ``2m`` (``(j, 2m-1-j)`` for equal pieces; empty where the rank holds none, and
+    for whole documents); n_pieces: per document its ``2m`` (0 for whole ones).
     """
 
     owner: tuple[int, ...]
@@ -76,12 +83,21 @@ class DocPlacement:
     tile: int
     tokens: tuple[int, ...]
     pairs: tuple[int, ...]
-    split_pieces: tuple[tuple[tuple[int, int], ...], ...] = ()
+    split_pieces: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    n_pieces: tuple[int, ...] = ()
 
-    def pieces(self, doc: int, rank: int) -> tuple[int, int]:
-        """The two of the 2P pieces (indices into ``piece_bounds(L, 2P, tile)``) that ``rank``
-        holds of split document ``doc``, in position order."""
+    def pieces(self, doc: int, rank: int) -> tuple[int, ...]:
+        """The two pieces (indices into ``piece_bounds(L, n_pieces[doc], tile)``) that ``rank``
+        holds of split document ``doc``, in position order; ``()`` where it holds none."""
         return self.split_pieces[doc][rank]
+
+    def bounds(self, doc: int, length: int) -> list[tuple[int, int]]:
+        """``(start, size)`` of split document ``doc``'s pieces (``length``: its tokens)."""
+        return piece_bounds(length, self.n_pieces[doc], self.tile)
+
+    def holders(self, doc: int) -> int:
+        """How many ranks hold pieces of ``doc`` (its ``m``; 1 for a whole document)."""
+        return self.n_pieces[doc] // 2 if self.owner[doc] < 0 else 1
 
     @property
     def split(self) -> tuple[int, ...]:
@@ -102,30 +118,31 @@ def _ratio(xs: tuple[int, ...]) -> float:
     return max(xs) * len(xs) / total if total else 1.0
 
 
-def _piece_pairs_of(L: int, P: int, tile: int) -> list[tuple[int, int]]:
-    """The 2P pieces of a split document paired two by two, cheapest with dearest (by causal
-    pairs): with equal pieces exactly the zigzag pairs (j, 2P-1-j); the shorter last piece moves
-    to where its cost puts it."""
-    bounds = piece_bounds(L, 2 * P, tile)
-    by_cost = sorted(range(2 * P), key=lambda j: (piece_pairs(*bounds[j]), j))
-    return [tuple(sorted((by_cost[j], by_cost[2 * P - 1 - j]))) for j in range(P)]
+def _piece_pairs_of(L: int, m: int, tile: int) -> list[tuple[int, int]]:
+    """The 2m pieces of a document split over ``m`` ranks paired two by two, cheapest with dearest
+    (by causal pairs): with equal pieces exactly the zigzag pairs (j, 2m-1-j); the shorter last
+    piece moves to where its cost puts it."""
+    bounds = piece_bounds(L, 2 * m, tile)
+    by_cost = sorted(range(2 * m), key=lambda j: (piece_pairs(*bounds[j]), j))
+    return [tuple(sorted((by_cost[j], by_cost[2 * m - 1 - j]))) for j in range(m)]
 
 
-def _split_loads(split: list[tuple[int, int]], P: int, tile: int, means: tuple[float, float]):
-    """Documents ``split`` = [(doc, length)], longest first, cut into 2P pieces: per rank
+def _split_loads(split: list[tuple[int, int, int]], P: int, tile: int, means: tuple[float, float]):
+    """Documents ``split`` = [(doc, length, m)], longest first, each cut into 2m pieces: per rank
     (tokens, pairs) and per document the two pieces each rank holds. A document's pairs of pieces,
-    dearest first, each go to the rank (without one yet) whose load it raises least."""
+    dearest first, each go to the rank (without one of this document yet) whose load it raises
+    least."""
     tok, fl = [0] * P, [0] * P
-    pieces_of: dict[int, tuple[tuple[int, int], ...]] = {}
+    pieces_of: dict[int, tuple[tuple[int, ...], ...]] = {}
     it, iff = 1.0 / means[0], 1.0 / means[1]
-    for doc, L in split:
-        bounds = piece_bounds(L, 2 * P, tile)
-        pairs = _piece_pairs_of(L, P, tile)
+    for doc, L, m in split:
+        bounds = piece_bounds(L, 2 * m, tile)
+        pairs = _piece_pairs_of(L, m, tile)
         cost = [(bounds[a][1] + bounds[b][1], piece_pairs(*bounds[a]) + piece_pairs(*bounds[b])) for a, b in pairs]
-        held: list = [None] * P
-        for j in sorted(range(P), key=lambda j: (-max(cost[j][0] * it, cost[j][1] * iff), j)):
+        held: list = [()] * P
+        for j in sorted(range(m), key=lambda j: (-max(cost[j][0] * it, cost[j][1] * iff), j)):
             dt, df = cost[j]
-            r = min((r for r in range(P) if held[r] is None),
+            r = min((r for r in range(P) if not held[r]),
                     key=lambda r: (max((tok[r] + dt) * it, (fl[r] + df) * iff), r))
             held[r] = pairs[j]
             tok[r] += dt
@@ -134,15 +151,18 @@ def _split_loads(split: list[tuple[int, int]], P: int, tile: int, means: tuple[f
     return tok, fl, pieces_of
 
 
-def _place(order, lengths, k: int, P: int, tile: int, means: tuple[float, float]):
-    """Owners (-1 split), per-rank loads and split pairs with the first ``k`` of ``order`` split."""
+def _place(order, lengths, holders: dict[int, int], P: int, tile: int, means: tuple[float, float]):
+    """Owners (-1 split), per-rank loads and split pairs with the documents of ``holders`` (doc ->
+    m >= 2, in ``order``) split over m ranks each, the rest whole."""
     owner = [0] * len(lengths)
-    for i in order[:k]:
+    for i in holders:
         owner[i] = -1
-    tok, fl, pieces_of = _split_loads([(i, lengths[i]) for i in order[:k]], P, tile, means)
+    tok, fl, pieces_of = _split_loads([(i, lengths[i], holders[i]) for i in order if i in holders], P, tile, means)
     it, iff = 1.0 / means[0], 1.0 / means[1]
     ranks = range(P)
-    for i in order[k:]:
+    for i in order:
+        if i in holders:
+            continue
         L = lengths[i]
         c = L * (L + 1) // 2
         best, best_cost = 0, float("inf")
@@ -157,6 +177,24 @@ def _place(order, lengths, k: int, P: int, tile: int, means: tuple[float, float]
     return owner, tok, fl, pieces_of
 
 
+def _subset_holders(lengths, P: int, means: tuple[float, float], c: float, token_bound: float) -> dict[int, int]:
+    """Per document the ranks it needs at spread ``c``: ``m = ceil(c x max(L / T, pairs / F))``
+    (at most P; at least 2 above the token cap); documents with m = 1 stay whole."""
+    out = {}
+    for i, L in enumerate(lengths):
+        if L <= 0:
+            continue
+        m = min(P, -(-c * max(L / means[0], L * (L + 1) / 2 / means[1]) // 1))
+        if L > token_bound * means[0]:
+            m = max(m, 2)
+        if m >= 2:
+            out[i] = int(m)
+    return out
+
+
+SPREADS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
 def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int = 1,
                       token_bound: float = TOKEN_BOUND, flop_bound: float = FLOP_BOUND) -> DocPlacement:
     """The placement of the module docstring for documents of ``doc_lengths`` tokens (zero
@@ -167,22 +205,25 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
     if P == 1 or S == 0:
         pairs = sum(L * (L + 1) // 2 for L in lengths)
         return DocPlacement((0,) * len(lengths), P, tile, (S,) + (0,) * (P - 1), (pairs,) + (0,) * (P - 1),
-                            ((),) * len(lengths))
+                            ((),) * len(lengths), (0,) * len(lengths))
     means = (S / P, sum(L * (L + 1) // 2 for L in lengths) / P)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     order = [i for i in order if lengths[i] > 0] + [i for i in order if lengths[i] == 0]
     nonzero = sum(1 for L in lengths if L > 0)
     k_min = sum(1 for L in lengths if L > token_bound * means[0])
-    seen: dict[int, tuple] = {}
+    seen: dict[tuple, tuple] = {}
 
-    def score(k: int) -> float:
-        if k not in seen:
-            owner, tok, fl, pieces_of = _place(order, lengths, k, P, tile, means)
-            seen[k] = (owner, tok, fl, pieces_of,
-                       max(max(tok) / means[0] / token_bound, max(fl) / means[1] / flop_bound))
-        return seen[k][4]
+    def evaluate(holders: dict[int, int]) -> tuple:
+        key = tuple(sorted(holders.items()))
+        if key not in seen:
+            owner, tok, fl, pieces_of = _place(order, lengths, holders, P, tile, means)
+            score = max(max(tok) / means[0] / token_bound, max(fl) / means[1] / flop_bound)
+            spread = sum(m * lengths[i] for i, m in holders.items())
+            seen[key] = (owner, tok, fl, pieces_of, score, spread, holders)
+        return seen[key]
 
-    ok = lambda k: score(k) <= 1.0  # noqa: E731
+    k_split = lambda k: {i: P for i in order[:k]}  # noqa: E731
+    ok = lambda k: evaluate(k_split(k))[4] <= 1.0  # noqa: E731
     if not ok(k_min):
         lo, step, hi = k_min, 1, None  # lo fails
         while lo + step <= nonzero:
@@ -196,7 +237,13 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    best = min(seen, key=lambda k: (seen[k][4] > 1.0, k if seen[k][4] <= 1.0 else seen[k][4]))
-    owner, tok, fl, pieces_of, _ = seen[best]
+    if any(v[6] for v in seen.values() if v[4] <= 1.0) or all(v[4] > 1.0 for v in seen.values()):
+        for c in SPREADS:  # split documents over fewer ranks: the first spread within the bounds
+            if evaluate(_subset_holders(lengths, P, means, c, token_bound))[4] <= 1.0:
+                break
+    feasible = [v for v in seen.values() if v[4] <= 1.0]
+    owner, tok, fl, pieces_of, _, _, holders = (min(feasible, key=lambda v: (v[5], len(v[6]))) if feasible else
+                                                min(seen.values(), key=lambda v: (v[4], v[5])))
     pairs = tuple(pieces_of.get(i, ()) for i in range(len(lengths)))
-    return DocPlacement(tuple(owner), P, tile, tuple(tok), tuple(fl), pairs)
+    n_pieces = tuple(2 * holders.get(i, 0) for i in range(len(lengths)))
+    return DocPlacement(tuple(owner), P, tile, tuple(tok), tuple(fl), pairs, n_pieces)

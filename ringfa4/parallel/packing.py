@@ -4,15 +4,15 @@ A packed batch is ``(total, h, d)`` with global int32 ``cu_seqlens`` (documents 
 zero allowed). Two placements:
 
 - **balanced** (``cp.pack``'s default; :mod:`ringfa4.parallel.dispatch`): documents short enough
-  stay whole on one rank, longer ones are cut into 2P tile-aligned pieces, two a rank, so that
-  every rank holds about the same tokens and causal FLOPs. Only the split documents' tokens
-  *travel* (ring hops or the all-gather);
+  stay whole on one rank, longer ones are cut into 2m tile-aligned pieces over the m ranks they
+  need (m <= P), two a rank, so that every rank holds about the same tokens and causal FLOPs.
+  Only the split documents' tokens *travel* (ring hops or the all-gather);
 - **per document** (modes "ring" / "allgather"): every document cut into the layout's chunks
   (zigzag: 2P, rank r holds chunks r and 2P-1-r; contiguous: P) whose lengths differ by at most
   one token; every token travels.
 
-A rank's local tokens are *part-major*: first its first piece of every travelling document (in
-document order), then its second piece of every one, then its whole documents (in document
+A rank's local tokens are *part-major*: first its first piece of every travelling document it
+holds pieces of (in document order), then its second piece of every one, then its whole documents (in document
 order). The travelling tokens are a prefix of the local rows (``travel_rows``), and every
 (q part, kv part) pair of a ring step tiles contiguous local ranges, so one varlen call covers
 all documents.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import DocPlacement, balance_documents, piece_bounds, piece_pairs
+from .dispatch import DocPlacement, balance_documents, piece_pairs
 from .layouts import Layout
 from .memo import cached_method
 
@@ -165,11 +165,13 @@ class Packing:
                 for doc, length in enumerate(self.doc_lengths):
                     yield (part, doc, *_chunk_bounds(length, n)[c])
             return
-        pl, P = self.placement, self.world_size
+        pl = self.placement
         split = pl.split
         for part in range(2):
             for doc in split:
-                yield (part, doc, *piece_bounds(self.doc_lengths[doc], 2 * P, pl.tile)[pl.pieces(doc, rank)[part]])
+                held = pl.pieces(doc, rank)
+                if held:
+                    yield (part, doc, *pl.bounds(doc, self.doc_lengths[doc])[held[part]])
         for doc, owner in enumerate(pl.owner):
             if owner == rank:
                 yield Segment.WHOLE, doc, 0, self.doc_lengths[doc]
