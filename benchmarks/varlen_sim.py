@@ -44,6 +44,7 @@ from ringfa4.parallel import LoopbackTransport
 from ringfa4.parallel.allgather import allgather_backward, allgather_forward
 from ringfa4.parallel.dispatch import balance_documents
 from ringfa4.parallel.ring import ring_backward, ring_forward
+from ringfa4.parallel.transport import Pending
 
 H, HK, D = 32, 8, 128
 MIXES = {  # name: (tokens, document length sampler)
@@ -77,6 +78,12 @@ class _OneRank(LoopbackTransport):
 
     def reduce_scatter(self, fulls):
         return [fulls[0].view(self.world_size, -1)[0].clone()]
+
+    def all_gather_start(self, bufs):  # in the rank's own stream order: its kernels, timed
+        return Pending(self.all_gather(bufs))
+
+    def reduce_scatter_start(self, fulls):
+        return Pending(self.reduce_scatter(fulls))
 
 
 def _rank_step(run, fwd, bwd, backward: bool):

@@ -114,8 +114,14 @@ def test_allgather_bf16_grads_add_back_by_key_index(monkeypatch):
     monkeypatch.setattr(spec_mod.RowsAt, "add_", lambda self, rows: (adds.append(self.index.clone()),
                                                                       real_add(self, rows)))
     got = _sim(4, "zigzag", qb, kb, vb, dob, cu, {"causal": True}, "allgather")
-    assert len(adds) == 2 * 4  # dk and dv of each rank's one gathered call
-    assert all(i.unique().numel() < i.numel() for i in adds)  # a document's two pieces share keys
+    from ringfa4.parallel.allgather import AllGatherSchedule
+
+    sched = ringfa4.ContextParallel.simulated(4).pack(cu, "allgather").packing.schedule(AllGatherSchedule, True,
+                                                                                       (None, None))
+    gathered = [c for r in range(4) for g in range(len(sched.groups)) for c in sched.group_calls(r, g)]
+    assert len(sched.groups) == 2 and len(adds) == 2 * len(gathered)  # dk and dv of every gathered call
+    assert sorted(i.numel() for i in adds) == sorted(2 * [sum(d - b for _, _, b, d in c.pairs)
+                                                          for c in gathered])
     for name, x, r, e0 in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
         assert rel_err(x.double(), r) <= 2 * e0, f"{name}: {rel_err(x.double(), r):.3g} > 2 x {e0:.3g}"
 
@@ -241,6 +247,13 @@ def test_auto_mode_rule():
     balanced = cp.pack(torch.tensor(bench_cu, dtype=torch.int32), mode="balanced")
     assert balanced.packing.split_docs() and balanced.uses_allgather(32, 8)
     assert not cp.pack(torch.tensor([0, 65536], dtype=torch.int32)).uses_allgather(32, 8)
+    # long documents (l >= 4096 x 8): the all-gather where its two gather groups pipeline (no group
+    # over 3/4 of the travelling tokens), the ring where one document dominates
+    even = Packing([0, 60000, 110000, 160000, 200000], make_layout("zigzag", 8))
+    assert even.split_docs() == (0, 1, 2, 3) and even.gather_groups(2) == ((0, 1), (2, 3))
+    assert prefer_allgather(even, 32, 8)
+    lone = Packing([0, 200000, 210000, 225000], make_layout("zigzag", 8))
+    assert len(lone.gather_groups(2)) == 2 and not prefer_allgather(lone, 32, 8)
     with pytest.raises(ValueError, match="mode must be"):
         cp.pack(torch.tensor(short_cu, dtype=torch.int32), mode="fast")
 

@@ -9,6 +9,7 @@ from helpers import random_cu_seqlens, reference_grads, rel_err
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend
+from ringfa4.parallel import LoopbackTransport
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +76,39 @@ def test_balanced_pack_error_like_one_varlen_call(P):
         err = rel_err(x, r)
         print(f"P={P} {name}: {err:.4g} / one call {e0:.4g} = {err / e0:.3f}")
         assert err <= bound * e0, f"balanced P={P} {name}: {err:.4g} > {bound} x one varlen call {e0:.4g}"
+
+
+class _NoFinishWait(LoopbackTransport):
+    """A broken transport: hands out a collective's result without making compute wait for it."""
+
+    def finish(self, pending):
+        return pending.result
+
+
+def test_pipelined_allgather_under_a_delayed_stream():
+    """The all-gather mode's groups (two gathers in flight one after the other, each group's
+    reduce-scatter overlapping the next group): results poisoned until written and a
+    communication stream that sleeps before each collective change nothing beyond the order of
+    fp32 atomics, while a transport whose finish skips the wait is caught by the same check."""
+    lengths = [3000, 1, 2500, 700, 4100, 1900]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(7)
+    q, k, v, do = (torch.randn(sum(lengths), n, 128, generator=g).to("cuda", torch.bfloat16) for n in (8, 2, 2, 8))
+
+    def run(transport):
+        cp = ringfa4.ContextParallel.simulated(4, transport=transport)
+        pack = cp.pack(cu, "allgather")
+        assert pack.uses_allgather(8, 2)
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringfa4.attention(qq, kk, vv, cp=cp, packing=pack, return_lse=True, causal=True)
+        out.backward(do)
+        torch.cuda.synchronize()
+        return [out.detach(), lse, qq.grad, kk.grad, vv.grad]
+
+    plain = run(LoopbackTransport())
+    slow = run(LoopbackTransport(poison=True, delay_cycles=20_000_000))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, slow):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3, msg=f"{name} changed under a delayed stream")
+    bad = run(_NoFinishWait(poison=True, delay_cycles=20_000_000))
+    assert any(not torch.allclose(a, b, rtol=2e-2, atol=2e-3) for a, b in zip(plain, bad)), \
+        "the check cannot see a missing wait"

@@ -1,18 +1,28 @@
-"""All-gather-KV mode for packs of many short documents: one all-gather of every rank's K/V instead
-of P-1 ring hops, then each rank attends its local q to whole documents; dK/dV come back to their
-owners with one reduce-scatter.
+"""All-gather-KV mode: the travelling documents' K/V gathered by all-gathers instead of P-1 ring
+hops, then each rank attends its local q to whole documents; dK/dV come back to their owners
+by reduce-scatters.
 
-With short documents each ring step has little work per token but a full K/V hop, so the hops stop
-hiding behind compute; one all-gather moves the same bytes once, with no per-step latency. The
-rule (``mode="auto"`` in ``cp.pack``): per token, a ring step computes ~4 l h d / P FLOPs (l = the
-token-weighted mean document length, sum(L^2) / S) and moves 4 h_kv d bytes of K/V; at ~600
-TFLOP/s against ~300 GB/s the hop hides when l >= 2000 P h_kv / h. Below that: all-gather.
-Second, on the compute side: the ring makes about two varlen calls a step on chunks of l / 2P
-tokens, and below ~2k-token chunks each call's host overhead outweighs its GPU work. Measured on
-the H200 (benchmarks/varlen_sim.py, 7 documents of 1k-16k tokens, l ~ 10k, h = 32 / 8):
-all-gather 0.67 / 0.62 (fwd / fwd+bwd efficiency) vs ring 0.58 / 0.53 at P = 4, and 0.57 / 0.47
-vs 0.25 / 0.40 at P = 8; so all-gather also when l < 4096 P. ``mode="ring"`` or ``"allgather"``
-overrides the rule.
+Every local row is then in exactly one call (its document's keys up to it), so the forward writes
+the final output directly (no fp32 partials, no merge: one varlen call's numerics) and each
+row's dq comes from one call. The travelling documents go in (at most) ``GATHER_GROUPS`` groups
+of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`): group ``g + 1``'s
+all-gather is in flight while group ``g`` computes (the rank's whole documents compute while the
+first group arrives), and in the backward each group's reduce-scatter is posted once its blocks
+are queued, so it overlaps the next group; at most two groups' K/V are held at once.
+
+The rule (``mode="auto"`` in ``cp.pack``), over the travelling documents: per token, a ring step
+computes ~4 l h d / P FLOPs (l = the token-weighted mean document length, sum(L^2) / S) and moves
+4 h_kv d bytes of K/V; at ~600 TFLOP/s against ~300 GB/s the hop hides when l >= 2000 P h_kv / h.
+Below that: all-gather. Second, on the compute side: the ring makes about two varlen calls a step
+on chunks of l / 2P tokens, each with fp32 partials and a merge; measured on the H200
+(benchmarks/varlen_sim.py, 7 documents of 1k-16k tokens, l ~ 10k, h = 32 / 8) the ring reached
+0.58 / 0.53 (fwd / fwd+bwd efficiency) at P = 4 and 0.25 / 0.40 at P = 8, so all-gather also when
+l < 4096 P. Third, above that: the all-gather still computes less (one call a row; the long-tail
+mix at P = 8: 0.87 / 0.83 against the ring's 0.74 / 0.70), and with its groups pipelined its
+collectives hide like the ring's hops, so all-gather wherever there are two groups and none holds
+more than 3/4 of the travelling tokens (one dominant document keeps the ring: its gather could not
+overlap, and would hold all of its K/V at once). ``mode="ring"`` or ``"allgather"`` overrides the
+rule.
 """
 
 from __future__ import annotations
@@ -28,11 +38,13 @@ from .blocks import band_block, global_band, whole_block
 from .memo import cached_method
 from .packing import Packing
 from .ring import calls
-from .ring.buffers import travelling
 from .ring.run import direct_home
-from .varlen import PackSchedule, VarlenCall
+from .varlen import PackSchedule, VarlenCall, q_runs
 
 __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
+
+
+GATHER_GROUPS = 2  # documents gathered in (at most) this many groups, one overlapping the last one's attention
 
 
 def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
@@ -44,68 +56,104 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
         return False
     mean_len = sum(n * n for n in lengths) / sum(lengths)
     P = pack.world_size
-    return mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P)
+    if mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P):
+        return True
+    groups = pack.gather_groups(GATHER_GROUPS)
+    largest = max(sum(pack.doc_lengths[d] for d in g) for g in groups)
+    return len(groups) >= 2 and 4 * largest <= 3 * sum(lengths)
 
 
 @dataclass(frozen=True, eq=False)
 class AllGatherSchedule(PackSchedule):
-    """Blocks of ``rank``'s q against whole documents: the travelling (split) documents from the
-    gathered K/V (:class:`GatheredCall`: key positions in the documents' global order, read from
-    the gathered rows); a balanced pack's whole documents from the rank's own K/V (``home``
-    calls)."""
+    """Blocks of ``rank``'s q against whole documents: a balanced pack's whole documents from the
+    rank's own K/V (:meth:`home_calls`), the travelling (split) documents group by group
+    (:meth:`Packing.gather_groups`) from that group's gathered K/V (:meth:`group_calls`,
+    :class:`GatheredCall`: key positions in the documents' order, read from the gathered rows).
+    Group ``g``'s gathered buffers hold, rank-major, every rank's pieces of the group's documents
+    (in local order), ``group_cap(g)`` rows a rank."""
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.pack.gather_groups(GATHER_GROUPS)
 
     @cached_method
-    def _gathered_starts(self) -> dict[int, int]:
-        """Per travelling document, where its first token sits in the gathered global order."""
-        out, at = {}, 0
-        for doc in self.pack.split_docs():
-            out[doc] = at
-            at += self.pack.doc_lengths[doc]
-        return out
+    def group_segments(self, rank: int, g: int) -> tuple:
+        """``rank``'s travelling segments of group ``g``'s documents, in local order."""
+        docs = set(self.groups[g])
+        return tuple(s for s in self.pack.segments(rank) if s.travels and s.doc in docs)
 
     @cached_method
-    def _doc_pieces(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Per travelling document its pieces in document order: (pos, length, gathered row), the
-        row being ``rank * 2 * cap + local`` (:func:`gathered_rows`: the rank-major ``[k | v]``
+    def group_rows(self, rank: int, g: int) -> int:
+        return sum(s.length for s in self.group_segments(rank, g))
+
+    @cached_method
+    def group_cap(self, g: int) -> int:
+        """Rows a rank contributes to group ``g``'s gather (the largest rank's)."""
+        return max(self.group_rows(r, g) for r in range(self.world_size))
+
+    @cached_method
+    def group_index(self, rank: int, g: int, device: torch.device) -> torch.Tensor:
+        """int64 local rows of :meth:`group_segments` (what ``rank`` sends, in order)."""
+        segs = self.group_segments(rank, g)
+        if not segs:
+            return torch.zeros(0, dtype=torch.long, device=device)
+        return torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(device)
+
+    @cached_method
+    def _doc_pieces(self, g: int) -> dict[int, list[tuple[int, int, int]]]:
+        """Per document of group ``g`` its pieces in document order: (pos, length, gathered row),
+        the row being ``rank * 2 * cap + offset`` (:func:`gathered_rows`: the rank-major ``[k | v]``
         buffers of ``cap`` rows each, viewed as rows)."""
         out: dict[int, list] = {}
-        two_cap = 2 * self.max_travel_rows
+        two_cap = 2 * self.group_cap(g)
         for r in range(self.world_size):
-            for s in self.pack.segments(r):
-                if s.travels:
-                    out.setdefault(s.doc, []).append((s.pos, s.length, r * two_cap + s.local))
+            at = 0
+            for s in self.group_segments(r, g):
+                out.setdefault(s.doc, []).append((s.pos, s.length, r * two_cap + at))
+                at += s.length
         return {doc: sorted(p) for doc, p in out.items()}
 
-    def _runs(self, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
+    def _runs(self, g: int, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
         """Document ``doc``'s key positions ``[a, b)`` as runs (gathered row, length)."""
         runs = []
-        for pos, n, row in self._doc_pieces()[doc]:
+        for pos, n, row in self._doc_pieces(g)[doc]:
             lo, hi = max(a, pos), min(b, pos + n)
             if lo < hi:
                 runs.append((row + lo - pos, hi - lo))
         return tuple(runs)
 
     @cached_method
-    def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
+    def home_calls(self, rank: int) -> tuple[VarlenCall, ...]:
+        """The rank's whole documents, each against itself: one call for all of them (per mask)."""
         lo, hi = global_band(self.causal, self.window)
-        starts = self._gathered_starts()
         groups: dict[tuple, list] = {}
         for s in self.pack.segments(rank):
-            home = not s.travels
-            if home:  # the document against itself: one call for all of them
-                b = whole_block(s.local, s.length, lo, hi)
-            else:
-                b = band_block((s.local, s.pos, s.length), (starts[s.doc], 0, self.pack.doc_lengths[s.doc]), lo, hi)
+            b = None if s.travels else whole_block(s.local, s.length, lo, hi)
             if b is not None:
-                runs = () if home else self._runs(s.doc, b.k0 - starts[s.doc], b.k1 - starts[s.doc])
-                groups.setdefault((b.causal, b.window, home), []).append(((b.q0, b.q1, b.k0, b.k1), runs))
+                groups.setdefault((b.causal, b.window), []).append((b.q0, b.q1, b.k0, b.k1))
+        return tuple(VarlenCall(tuple(sorted(p)), *key, True) for key, p in sorted(groups.items(), key=str))
+
+    @cached_method
+    def group_calls(self, rank: int, g: int) -> tuple[GatheredCall, ...]:
+        """The rank's pieces of group ``g``'s documents against their documents' keys up to them,
+        cut into calls of contiguous query rows (:func:`~.varlen.q_runs`: a part-0 and a part-1 run)."""
+        lo, hi = global_band(self.causal, self.window)
+        groups: dict[tuple, list] = {}
+        for s in self.group_segments(rank, g):
+            b = band_block((s.local, s.pos, s.length), (0, 0, self.pack.doc_lengths[s.doc]), lo, hi)
+            if b is not None:
+                groups.setdefault((b.causal, b.window), []).append(((b.q0, b.q1, b.k0, b.k1), s.doc))
         out = []
         for key, got in sorted(groups.items(), key=str):
-            got.sort()
-            pairs = tuple(p for p, _ in got)
-            out.append(VarlenCall(pairs, key[0], key[1], True) if key[2] else
-                       GatheredCall(pairs, key[0], key[1], False, tuple(r for _, r in got)))
+            doc_of = {pair[:2]: doc for pair, doc in got}
+            for run in q_runs([pair for pair, _ in got]):
+                out.append(GatheredCall(run, *key, False, tuple(self._runs(g, doc_of[p[:2]], p[2], p[3]) for p in run)))
         return tuple(out)
+
+    @cached_method
+    def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
+        """Every call of ``rank``: its home calls, then each group's."""
+        return self.home_calls(rank) + tuple(c for g in range(len(self.groups)) for c in self.group_calls(rank, g))
 
 
 @dataclass(frozen=True)
@@ -130,11 +178,14 @@ def _layout(k, v, cap):
     return ks, vs, math.prod(ks), math.prod(ks) + math.prod(vs)
 
 
-def _flat(k, v, cap, dtype=None):
+def _flat(k, v, cap, index, dtype=None):
+    """A rank's ``[k | v]`` send buffer of ``cap`` rows each: rows ``index`` of its K and V first,
+    zeros after."""
     ks, vs, kn, n = _layout(k, v, cap)
     buf = torch.zeros(n, dtype=dtype or k.dtype, device=k.device)
-    buf[: k.numel()].copy_(k.reshape(-1))
-    buf[kn: kn + v.numel()].copy_(v.reshape(-1))
+    rows = index.numel()
+    torch.index_select(k, 0, index, out=buf[: kn].view(ks)[:rows])
+    torch.index_select(v, 0, index, out=buf[kn:].view(vs)[:rows])
     return buf
 
 
@@ -158,100 +209,141 @@ def gathered_rows(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int
     return k_rows.view((-1,) + ks[1:]), v_rows.view((-1,) + vs[1:])[cap:]
 
 
-def _gathered_kv(run, ks, vs):
-    """Per local rank: the held (K, V) of :func:`gathered_rows` over every rank's travelling rows."""
-    cap = run.schedule.max_travel_rows
-    tk, tv = travelling(run, ks, vs)
-    gathered = run.transport.all_gather([_flat(k, v, cap) for k, v in zip(tk, tv)])
-    return [gathered_rows(g, ks[0], vs[0], cap) for g in gathered]
+def _gather_start(run, ks, vs, g: int):
+    """Group ``g``'s all-gather posted: every local rank's pieces of the group's documents."""
+    sched = run.schedule
+    cap = sched.group_cap(g)
+    bufs = [_flat(k, v, cap, sched.group_index(r, g, k.device)) for k, v, r in zip(ks, vs, run.ranks)]
+    return run.transport.all_gather_start(bufs)
+
+
+def _gathered(run, ks, vs, g: int, pending) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per local rank: group ``g``'s held (K, V) (:func:`gathered_rows`) once its gather is in."""
+    cap = run.schedule.group_cap(g)
+    return [gathered_rows(x, ks[0], vs[0], cap) for x in run.transport.finish(pending)]
 
 
 def allgather_forward(run, qs, ks, vs):
     """Same contract as :func:`ring_forward`, packed tensors only. Every local row is in exactly
     one call (a segment is one block: its document's visible keys in one range), so each call
     writes its rows of the output (q's dtype) and lse straight into the results: one varlen call's
-    numerics, no partials and no merge. With sinks the output is fp32 where the backend writes
-    fp32 blocks, rescaled by the sinks once and then cast."""
-    kv = _gathered_kv(run, ks, vs)
+    numerics, no partials and no merge. The home calls run while the first group's K/V arrive;
+    with sinks the output is fp32 where the backend writes fp32 blocks, rescaled by the sinks once
+    and then cast."""
+    sched = run.schedule
     outs, lses = [], []
     for i, r in enumerate(run.ranks):
-        q, blocks = qs[i], run.schedule.blocks(r)
+        q = qs[i]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device)
+        lses.append(torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=lse_dtype, device=q.device))
         wide = run.sinks is not None and run.backend.fp32_block_outputs(q.device)
-        covered = sum(b - a for c in blocks for a, b, _, _ in c.pairs) == q.shape[0]
-        out = (torch.empty if covered else torch.zeros)(q.shape[:-1] + (vs[i].shape[-1],), device=q.device,
-                                                        dtype=lse_dtype if wide else q.dtype)
-        for call in blocks:
-            held = (ks[i], vs[i]) if call.home else kv[i]
-            o, l = calls.forward(run.backend, call, q, *held, run.spec, out, lse)
-            call.put_q(out, o)
-            call.put_lse(lse, l)
-        if run.sinks is not None:  # once, on the final rows
-            apply_sinks_(out, lse, run.sinks)
-            out = out.to(q.dtype)
-        outs.append(out)
-        lses.append(lse)
+        covered = sum(b - a for c in sched.blocks(r) for a, b, _, _ in c.pairs) == q.shape[0]
+        outs.append((torch.empty if covered else torch.zeros)(q.shape[:-1] + (vs[i].shape[-1],), device=q.device,
+                                                             dtype=lse_dtype if wide else q.dtype))
+
+    def compute(calls_of, held_of):
+        for i, r in enumerate(run.ranks):
+            for call in calls_of(r):
+                o, l = calls.forward(run.backend, call, qs[i], *held_of(i), run.spec, outs[i], lses[i])
+                call.put_q(outs[i], o)
+                call.put_lse(lses[i], l)
+
+    n = len(sched.groups)
+    pending = _gather_start(run, ks, vs, 0) if n else None
+    compute(sched.home_calls, lambda i: (ks[i], vs[i]))
+    for g in range(n):
+        kv = _gathered(run, ks, vs, g, pending)
+        pending = _gather_start(run, ks, vs, g + 1) if g + 1 < n else None
+        compute(lambda r, g=g: sched.group_calls(r, g), lambda i, kv=kv: kv[i])
+        del kv
+    if run.sinks is not None:  # once, on the final rows
+        for i, q in enumerate(qs):
+            apply_sinks_(outs[i], lses[i], run.sinks)
+            outs[i] = outs[i].to(q.dtype)
     return outs, lses
 
 
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
-    """Same contract as :func:`ring_backward`: the travelling dK/dV summed over ranks by one
-    reduce-scatter; a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32
-    dK/dV by their key index straight into the reduce-scatter's rank-major buffer (laid out as
-    :func:`gathered_rows` lays out K/V). The rank's whole documents, when one call of exactly the
-    rows after the travelling prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv
-    from that call alone in the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
-    sched, cap = run.schedule, run.schedule.max_travel_rows
-    kv = _gathered_kv(run, ks, vs)
-    dqs, fulls, homes, finals = [], [], [], []
+    """Same contract as :func:`ring_backward`: each group's travelling dK/dV summed over ranks by
+    one reduce-scatter, posted once the group's blocks are queued (it overlaps the next group);
+    a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32 dK/dV by their key
+    index straight into the group's reduce-scatter buffer (laid out as :func:`gathered_rows` lays
+    out K/V). The rank's whole documents, when one call of exactly the rows after the travelling
+    prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv from that call alone in
+    the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
+    sched = run.schedule
+    acc = torch.float64 if qs[0].dtype == torch.float64 else torch.float32
+    fp32 = run.options.fp32_grads and qs[0].dtype != acc
+    dqs, homes, directs, finals = [], [], [], [None] * len(qs)
     for i, r in enumerate(run.ranks):
-        acc = torch.float64 if qs[i].dtype == torch.float64 else torch.float32
-        blocks, travel = sched.blocks(r), sched.travel_rows(r)
-        direct = direct_home(run, blocks, r)
-        dq = torch.zeros(qs[i].shape if direct is None else (travel,) + tuple(qs[i].shape[1:]), dtype=acc,
-                         device=qs[i].device)
-        flat, (dk, dv), bases = _grad_rows(sched.world_size, ks[i], vs[i], cap, acc)
-        home = None if travel == sched.rows(r) or direct is not None else (
-            torch.zeros(ks[i].shape, dtype=acc, device=dq.device),
-            torch.zeros(vs[i].shape, dtype=acc, device=dq.device))
-        fp32 = run.options.fp32_grads and qs[i].dtype != acc
-        final = None
-        for call in blocks:
-            held, dst = ((ks[i], vs[i]), home) if call.home else (kv[i], (dk, dv))
-            tensors = (douts[i], qs[i], *held, outs[i], lses[i])
-            if call is direct:
-                final = calls.backward(run.backend, call, tensors, run.spec)
-                continue
-            kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dq, dst) if fp32 else None
-            if kept is None:
-                g = calls.backward(run.backend, call, tensors, run.spec)
-                call.add_q(dq, g[0])
-                kept = g[1:]
-            if kept:
-                call.add_k(dst[0], kept[0])
-                call.add_k(dst[1], kept[1])
-        homes.append(home)
-        finals.append(final)
-        fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
-        dqs.append(dq.to(qs[i].dtype) if final is None else calls.join_rows(dq, final[0], qs[i].dtype))
-    mine = run.transport.reduce_scatter(fulls)
+        travel = sched.travel_rows(r)
+        direct = direct_home(run, sched.blocks(r), r)
+        dqs.append(torch.zeros(qs[i].shape if direct is None else (travel,) + tuple(qs[i].shape[1:]), dtype=acc,
+                               device=qs[i].device))
+        homes.append(None if direct is not None or travel == sched.rows(r) else (
+            torch.zeros(ks[i].shape, dtype=acc, device=ks[i].device),
+            torch.zeros(vs[i].shape, dtype=acc, device=vs[i].device)))
+        directs.append(direct)
+
+    def block(i, call, held, dst):
+        tensors = (douts[i], qs[i], *held, outs[i], lses[i])
+        if call is directs[i]:
+            finals[i] = calls.backward(run.backend, call, tensors, run.spec)
+            return
+        kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dqs[i], dst) if fp32 else None
+        if kept is None:
+            g = calls.backward(run.backend, call, tensors, run.spec)
+            call.add_q(dqs[i], g[0])
+            kept = g[1:]
+        if kept:
+            call.add_k(dst[0], kept[0])
+            call.add_k(dst[1], kept[1])
+
+    n = len(sched.groups)
+    pending, scattering = (_gather_start(run, ks, vs, 0) if n else None), []
+    for i, r in enumerate(run.ranks):
+        for call in sched.home_calls(r):
+            block(i, call, (ks[i], vs[i]), homes[i])
+    for g in range(n):
+        kv = _gathered(run, ks, vs, g, pending)
+        pending = _gather_start(run, ks, vs, g + 1) if g + 1 < n else None
+        cap, fulls = sched.group_cap(g), []
+        for i, r in enumerate(run.ranks):
+            flat, dkv, bases = _grad_rows(sched.world_size, ks[i], vs[i], cap, acc)
+            for call in sched.group_calls(r, g):
+                block(i, call, kv[i], dkv)
+            fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
+        del kv
+        scattering.append(run.transport.reduce_scatter_start(fulls))
     dks, dvs = [], []
-    for i, r in enumerate(run.ranks):
-        ks_, vs_, kn, _ = _layout(ks[i], vs[i], cap)
-        n = sched.travel_rows(r)
-        dk, dv = mine[i][:kn].view(ks_)[:n], mine[i][kn:].view(vs_)[:n]
+    travelled = [_travelled(run, ks[i], vs[i], r, acc) for i, r in enumerate(run.ranks)]
+    for g, p in enumerate(scattering):
+        for i, (r, mine) in enumerate(zip(run.ranks, run.transport.finish(p))):
+            ks_, vs_, kn, _ = _layout(ks[i], vs[i], sched.group_cap(g))
+            rows, index = sched.group_rows(r, g), sched.group_index(r, g, ks[i].device)
+            travelled[i][0].index_add_(0, index, mine[:kn].view(ks_)[:rows])
+            travelled[i][1].index_add_(0, index, mine[kn:].view(vs_)[:rows])
+    for i in range(len(qs)):
+        dk, dv = travelled[i]
         if finals[i] is not None:
             dks.append(calls.join_rows(dk, finals[i][1], ks[i].dtype))
             dvs.append(calls.join_rows(dv, finals[i][2], vs[i].dtype))
-            continue
-        if homes[i] is not None:  # the travelled dK/dV added to what stayed home
-            homes[i][0][:n] += dk
-            homes[i][1][:n] += dv
-            dk, dv = homes[i]
-        dks.append(dk.to(ks[i].dtype))
-        dvs.append(dv.to(vs[i].dtype))
-    return dqs, dks, dvs
+        else:
+            if homes[i] is not None:  # the travelled dK/dV added to what stayed home
+                homes[i][0][: dk.shape[0]] += dk
+                homes[i][1][: dv.shape[0]] += dv
+                dk, dv = homes[i]
+            dks.append(dk.to(ks[i].dtype))
+            dvs.append(dv.to(vs[i].dtype))
+    dq_out = [dq.to(q.dtype) if f is None else calls.join_rows(dq, f[0], q.dtype) for dq, q, f in zip(dqs, qs, finals)]
+    return dq_out, dks, dvs
+
+
+def _travelled(run, k: torch.Tensor, v: torch.Tensor, rank: int, dtype: torch.dtype):
+    """Zeroed dK/dV of ``rank``'s travelling rows (the groups' reduce-scattered slices add in)."""
+    n = run.schedule.travel_rows(rank)
+    return (torch.zeros((n,) + tuple(k.shape[1:]), dtype=dtype, device=k.device),
+            torch.zeros((n,) + tuple(v.shape[1:]), dtype=dtype, device=v.device))
 
 
 def _grad_rows(world: int, k: torch.Tensor, v: torch.Tensor, cap: int, dtype: torch.dtype):

@@ -139,6 +139,26 @@ class Packing:
             return tuple(range(len(self.doc_lengths)))
         return self.placement.split
 
+    @cached_method
+    def gather_groups(self, n: int) -> tuple[tuple[int, ...], ...]:
+        """The travelling documents (document order, empty ones left out) cut into at most ``n``
+        consecutive groups of about equal causal pairs (a group closes once the pairs so far reach
+        its share): what the all-gather mode gathers, computes and reduce-scatters one group at a
+        time, so one group's collective overlaps the previous group's attention."""
+        docs = [d for d in self.split_docs() if self.doc_lengths[d]]
+        pairs = [self.doc_lengths[d] * (self.doc_lengths[d] + 1) // 2 for d in docs]
+        n, total = min(n, len(docs)), sum(pairs)
+        groups, cur, acc = [], [], 0
+        for d, c in zip(docs, pairs):
+            cur.append(d)
+            acc += c
+            if len(groups) < n - 1 and acc * n >= total * (len(groups) + 1):
+                groups.append(tuple(cur))
+                cur = []
+        if cur:
+            groups.append(tuple(cur))
+        return tuple(groups)
+
     def schedule(self, kind: type, causal: bool, window: tuple):
         """One schedule object per (kind, mask) for the life of this packing, so its calls and their
         device-side cu_seqlens are built once per batch, not once per layer."""

@@ -6,7 +6,9 @@ tensor, or a tuple of tensors sent as pieces: piece j of a send lands in piece j
 same sizes on every rank); ``wait``
 makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
 communication stream that first waits for the compute stream, so producers are done and earlier
-readers of ``recv`` have finished.
+readers of ``recv`` have finished. ``all_gather`` / ``reduce_scatter`` (the all-gather mode's
+collectives) block; their ``*_start`` forms post them and ``finish`` waits, so the all-gather mode
+computes one group of documents while the next group's K/V arrive.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
   ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
@@ -24,7 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["LoopbackTransport", "P2PTransport", "Transport"]
+__all__ = ["LoopbackTransport", "P2PTransport", "Pending", "Transport"]
 
 
 def _pieces(x) -> tuple[torch.Tensor, ...]:
@@ -40,6 +42,15 @@ class _Handle:
         self.works = works or []
         self.event = event
         self.device = device
+
+
+class Pending:
+    """A collective in flight (:meth:`Transport.all_gather_start` / ``reduce_scatter_start``): its
+    per-local-rank ``result`` tensors, valid on the compute stream after :meth:`Transport.finish`."""
+
+    def __init__(self, result: list[torch.Tensor], works=(), what: str = "", event=None,
+                 device: torch.device | None = None) -> None:
+        self.result, self.works, self.what, self.event, self.device = result, list(works), what, event, device
 
 
 class Transport:
@@ -92,6 +103,21 @@ class Transport:
         """Per local rank: its 1/P slice of the sum over ranks of ``fulls`` (blocking)."""
         raise NotImplementedError
 
+    def all_gather_start(self, bufs: list[torch.Tensor]) -> Pending:
+        """:meth:`all_gather` posted, not waited for: the compute stream may queue other work before
+        :meth:`finish` (here: done at once; the transports below overlap it)."""
+        return Pending(self.all_gather(bufs))
+
+    def reduce_scatter_start(self, fulls: list[torch.Tensor]) -> Pending:
+        """:meth:`reduce_scatter` posted, not waited for (see :meth:`all_gather_start`)."""
+        return Pending(self.reduce_scatter(fulls))
+
+    def finish(self, pending: Pending) -> list[torch.Tensor]:
+        """The collective's result, the compute stream (or the CPU) made to wait for it."""
+        if pending.event is not None:
+            self.current_stream(pending.device).wait_event(pending.event)
+        return pending.result
+
 
 class LoopbackTransport(Transport):
     """All ranks in this process: ``recv[(i + offset) % P] <- send[i]``."""
@@ -139,6 +165,44 @@ class LoopbackTransport(Transport):
         for f in fulls[1:]:
             total += f
         return list(total.chunk(len(fulls)))
+
+    def all_gather_start(self, bufs):
+        stream = self.comm_stream(bufs[0].device)
+        if stream is None:
+            return Pending(self.all_gather(bufs))
+        every = torch.empty(sum(b.numel() for b in bufs), dtype=bufs[0].dtype, device=bufs[0].device)
+        return self._post(stream, every, lambda: torch.cat(bufs, out=every), bufs, [every] * len(bufs))
+
+    def reduce_scatter_start(self, fulls):
+        stream = self.comm_stream(fulls[0].device)
+        if stream is None:
+            return Pending(self.reduce_scatter(fulls))
+        total = torch.empty_like(fulls[0])
+
+        def write():
+            total.copy_(fulls[0])
+            for f in fulls[1:]:
+                total.add_(f)
+        return self._post(stream, total, write, fulls, list(total.chunk(len(fulls))))
+
+    def _post(self, stream, out: torch.Tensor, write, inputs: list[torch.Tensor], result: list) -> Pending:
+        """``write()`` (filling ``out``, made on the compute stream) on the communication stream after
+        the compute stream's queued work and the delay; ``poison`` fills ``out`` with NaN first on the
+        compute stream, so a read that skips :meth:`finish` sees it. Inputs and ``out`` are kept
+        from the allocator until the communication stream is past them."""
+        if self.poison:
+            out.fill_(math.nan)
+        event = torch.cuda.Event()
+
+        def post():
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            write()
+            event.record(stream)
+        self.on_stream(stream, out.device, post)
+        for t in (*inputs, out):
+            t.record_stream(stream)
+        return Pending(result, event=event, device=out.device)
 
 
 class P2PTransport(Transport):
@@ -206,20 +270,32 @@ class P2PTransport(Transport):
                 at += n
 
     def all_gather(self, bufs):
-        (b,) = bufs
-        out = b.new_empty(self.world_size * b.numel())
-        gather = dist.all_gather_into_tensor
-        self._wait(gather(out, b, group=self.group, async_op=True), "the K/V all-gather", None)
-        return [out]
+        return self.finish(self.all_gather_start(bufs))
 
     def reduce_scatter(self, fulls):
+        return self.finish(self.reduce_scatter_start(fulls))
+
+    def all_gather_start(self, bufs):
+        (b,) = bufs
+        out = b.new_empty(self.world_size * b.numel())
+        work = dist.all_gather_into_tensor(out, b, group=self.group, async_op=True)
+        return Pending([out], [work], "the K/V all-gather")
+
+    def reduce_scatter_start(self, fulls):
         (f,) = fulls
         n = f.numel() // self.world_size
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our slice
             total = f.clone()
-            self._wait(dist.all_reduce(total, group=self.group, async_op=True), "the dK/dV reduce-scatter", None)
-            return [total[self.rank * n:(self.rank + 1) * n]]
+            work = dist.all_reduce(total, group=self.group, async_op=True)
+            return Pending([total[self.rank * n:(self.rank + 1) * n]], [work], "the dK/dV reduce-scatter")
         out = f.new_empty(n)
-        self._wait(dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True), "the dK/dV reduce-scatter",
-                   None)
-        return [out]
+        work = dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True)
+        return Pending([out], [work], "the dK/dV reduce-scatter")
+
+    def finish(self, pending):
+        """Each collective's wait watched by the error channel (a dead or failed rank ends it, named);
+        NCCL's waits are stream-ordered once the work is done."""
+        for work in pending.works:
+            self._wait(work, pending.what, None)
+        pending.works = []
+        return pending.result
