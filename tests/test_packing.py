@@ -70,6 +70,25 @@ def test_simulated_packed_matches_per_document_float64(P, layout, kw, mode):
     _check(_sim(P, layout, q, k, v, do, cu, kw, mode), ref, base, dtype, f"sim {mode} P={P} {layout} {kw} {lengths}")
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+@pytest.mark.parametrize("kw", MASKS, ids=str)
+def test_allgather_in_two_groups_matches_float64(P, kw, monkeypatch):
+    """The all-gather mode with its documents in two pipelined gather groups (forced here: small
+    packs gather in one): exact against float64, the groups splitting the travelling documents."""
+    from ringfa4.parallel import allgather
+
+    monkeypatch.setattr(allgather, "PIPELINE_PAIRS", 0)
+    lengths = [0, 23, 1, max(1, P - 1), 31, 2 * P + 1, 17, 0, 40, 9]  # zero, one, < P tokens; none dominant
+    cu = random_cu_seqlens(lengths)
+    pack = ringfa4.ContextParallel.simulated(P).pack(cu, "allgather").packing
+    groups = pack.gather_groups(allgather.gather_group_count(pack))
+    assert len(groups) == 2 and sorted(groups[0] + groups[1]) == [d for d in pack.split_docs() if lengths[d]]
+    q, k, v, do = _data(lengths, torch.float64, P + 100)
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    base = _base_errors(q, k, v, do, cu, kw, ref)
+    _check(_sim(P, "zigzag", q, k, v, do, cu, kw, "allgather"), ref, base, torch.float64, f"two groups P={P} {kw}")
+
+
 def test_simulated_packed_float32():
     lengths = _lengths(3, 4)
     cu = random_cu_seqlens(lengths)
@@ -102,7 +121,9 @@ def test_allgather_bf16_grads_add_back_by_key_index(monkeypatch):
     dV back as rows of the reduce-scatter's buffer by its key index (RowsAt, duplicates adding),
     and out / lse / dq / dk / dv stay within 2x one varlen call's error against float64."""
     from ringfa4.kernels import spec as spec_mod
+    from ringfa4.parallel import allgather
 
+    monkeypatch.setattr(allgather, "PIPELINE_PAIRS", 0)  # two gather groups even for this small pack
     lengths = [300, 17, 650, 90, 411]
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q, k, v, do = _data(lengths, torch.float64, seed=6, d=16)

@@ -85,11 +85,14 @@ class _NoFinishWait(LoopbackTransport):
         return pending.result
 
 
-def test_pipelined_allgather_under_a_delayed_stream():
+def test_pipelined_allgather_under_a_delayed_stream(monkeypatch):
     """The all-gather mode's groups (two gathers in flight one after the other, each group's
     reduce-scatter overlapping the next group): results poisoned until written and a
     communication stream that sleeps before each collective change nothing beyond the order of
     fp32 atomics, while a transport whose finish skips the wait is caught by the same check."""
+    from ringfa4.parallel import allgather
+
+    monkeypatch.setattr(allgather, "PIPELINE_PAIRS", 0)  # two groups for this small pack
     lengths = [3000, 1, 2500, 700, 4100, 1900]
     cu = random_cu_seqlens(lengths, device="cuda")
     g = torch.Generator(device="cpu").manual_seed(7)

@@ -5,7 +5,8 @@ by reduce-scatters.
 Every local row is then in exactly one call (its document's keys up to it), so the forward writes
 the final output directly (no fp32 partials, no merge: one varlen call's numerics) and each
 row's dq comes from one call. The travelling documents go in (at most) ``GATHER_GROUPS`` groups
-of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`): group ``g + 1``'s
+of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`; one group where a rank's
+share is small: :func:`gather_group_count`): group ``g + 1``'s
 all-gather is in flight while group ``g`` computes (the rank's whole documents compute while the
 first group arrives), and in the backward each group's reduce-scatter is posted once its blocks
 are queued, so it overlaps the next group; at most two groups' K/V are held at once.
@@ -18,7 +19,7 @@ on chunks of l / 2P tokens, each with fp32 partials and a merge; measured on the
 (benchmarks/varlen_sim.py, 7 documents of 1k-16k tokens, l ~ 10k, h = 32 / 8) the ring reached
 0.58 / 0.53 (fwd / fwd+bwd efficiency) at P = 4 and 0.25 / 0.40 at P = 8, so all-gather also when
 l < 4096 P. Third, above that: the all-gather still computes less (one call a row; the long-tail
-mix at P = 8: 0.87 / 0.83 against the ring's 0.74 / 0.70), and with its groups pipelined its
+mix at P = 8: 0.90 / 0.86 against the ring's 0.74 / 0.70), and with its groups pipelined its
 collectives hide like the ring's hops, so all-gather wherever there are two groups and none holds
 more than 3/4 of the travelling tokens (one dominant document keeps the ring: its gather could not
 overlap, and would hold all of its K/V at once). ``mode="ring"`` or ``"allgather"`` overrides the
@@ -45,6 +46,17 @@ __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "pref
 
 
 GATHER_GROUPS = 2  # documents gathered in (at most) this many groups, one overlapping the last one's attention
+PIPELINE_PAIRS = 1 << 27  # causal pairs a rank of travelling documents (the mean) from which the groups pay
+
+
+def gather_group_count(pack: Packing) -> int:
+    """How many groups the travelling documents are gathered in: ``GATHER_GROUPS`` where a rank's
+    share of their causal pairs reaches ``PIPELINE_PAIRS`` (2^27: ~3.5 ms of forward at h = 32,
+    d = 128 on the H200), else 1. Each group adds about two varlen calls a rank (its pieces' two
+    query runs), whose host cost a short rank cannot hide (measured: 7 documents of 1k-16k, 64k
+    tokens, P = 8, 49M pairs a rank: forward 0.69 with one group, 0.47 with two)."""
+    pairs = sum(pack.doc_lengths[d] * (pack.doc_lengths[d] + 1) // 2 for d in pack.split_docs())
+    return GATHER_GROUPS if pairs >= PIPELINE_PAIRS * pack.world_size else 1
 
 
 def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
@@ -58,7 +70,7 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
     P = pack.world_size
     if mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P):
         return True
-    groups = pack.gather_groups(GATHER_GROUPS)
+    groups = pack.gather_groups(gather_group_count(pack))
     largest = max(sum(pack.doc_lengths[d] for d in g) for g in groups)
     return len(groups) >= 2 and 4 * largest <= 3 * sum(lengths)
 
@@ -74,7 +86,7 @@ class AllGatherSchedule(PackSchedule):
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        return self.pack.gather_groups(GATHER_GROUPS)
+        return self.pack.gather_groups(gather_group_count(self.pack))
 
     @cached_method
     def group_segments(self, rank: int, g: int) -> tuple:
