@@ -18,8 +18,9 @@
 #             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
 #   recipe    PART dry (default): hf_llama8b.py (ringfa4 vs sdpa on the Llama-3.1-8B shape) and the recipes'
 #             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
-#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one and weak scaling against PyTorch's
-#             context_parallel + cuDNN, torchrun on 2 GPUs (~4 min)
+#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one, weak scaling against PyTorch's
+#             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather in one and two
+#             pipelined groups, torchrun on 2 GPUs (~6 min)
 #
 # Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-h200}.json (the names
 # kept in benchmarks/results). The library's defaults are RingOptions' (ringfa4/options.py); nothing here sets

@@ -11,6 +11,9 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
 2. Weak scaling at 16k and 32k tokens per GPU (h=32, d=128, bf16, causal): efficiency =
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
+3. Packed mixes of varlen_sim.py (``--packed``): forward+backward with the split documents' K/V by
+   ring hops, by the all-gather in one group and in two pipelined groups (whether the collectives
+   hide behind the attention on real ranks).
 """
 
 from __future__ import annotations
@@ -135,10 +138,45 @@ def _torch_cp(full, P):
     return res
 
 
+def packed_modes(cp, be, P, mix: str):
+    """A packed mix of ``varlen_sim.py`` (balanced placement) on real ranks: forward+backward ms a
+    rank with the split documents' K/V moved by ring hops, by the all-gather in one group and in
+    two pipelined groups (the collectives overlapping the attention), each forced; efficiency
+    against one GPU's varlen call over the whole pack in the same run."""
+    from varlen_sim import HK, D, H, mix_lengths
+
+    from ringfa4.parallel import allgather
+    from ringfa4.parallel import context as context_module
+
+    lengths = mix_lengths(mix)
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    full = [[torch.randn(sum(lengths), n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HK, HK, H)]
+            for _ in range(2)]
+    spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                    max_seqlen_k=max(lengths))
+    row = {"mix": mix, "P": P, "one_gpu_fwdbwd_ms": _timed(full_call(be, spec, True), full)}
+    kept = (context_module.prefer_allgather, allgather.PIPELINE_PAIRS)
+    for name, gathered, pairs in (("ring", False, kept[1]), ("allgather_1_group", True, 1 << 62),
+                                  ("allgather_2_groups", True, 0)):
+        context_module.prefer_allgather = lambda *a, gathered=gathered: gathered
+        allgather.PIPELINE_PAIRS = pairs
+        try:
+            pack = cp.pack(cu)
+            row[f"{name}_split_docs"] = len(pack.packing.split_docs())
+            local = [[pack.shard(t) for t in s] for s in full]
+            row[f"{name}_fwdbwd_ms"] = _timed(cp_step(cp, True, pack), local)
+            row[f"{name}_eff"] = row["one_gpu_fwdbwd_ms"] / (P * row[f"{name}_fwdbwd_ms"])
+        finally:
+            context_module.prefer_allgather, allgather.PIPELINE_PAIRS = kept
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_results/ring_nccl.json")
     ap.add_argument("--per-gpu", default="16384,32768")
+    ap.add_argument("--packed", default="uniform_64k,tail_256k", help="varlen_sim mixes, '' for none")
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
@@ -149,6 +187,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
     report["check"] = [check_against_simulated(cp, be, rank, P, det) for det in (True, False)]
     report["weak_scaling"] = [weak_scaling(cp, be, P, int(s)) for s in args.per_gpu.split(",")]
+    report["packed"] = [packed_modes(cp, be, P, mix) for mix in args.packed.split(",") if mix]
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -166,6 +205,13 @@ def main() -> None:
             print(f"| {r['s_per_gpu'] // 1024}k | {r['one_gpu_fwd_ms']:.2f} / {r['one_gpu_fwdbwd_ms']:.2f} | "
                   f"{r['ringfa4_fwd_ms']:.2f} / {r['ringfa4_fwdbwd_ms']:.2f} | {r['ringfa4_fwd_eff']:.3f} / "
                   f"{r['ringfa4_fwdbwd_eff']:.3f} | {tc} | {te} |")
+        print("\npacked (balanced placement), fwd+bwd ms a rank / efficiency")
+        print("| mix | one GPU ms | ring | all-gather, one group | all-gather, two groups |")
+        print("|---|---|---|---|---|")
+        for r in report["packed"]:
+            cells = " | ".join(f"{r[f'{n}_fwdbwd_ms']:.2f} / {r[f'{n}_eff']:.3f}"
+                               for n in ("ring", "allgather_1_group", "allgather_2_groups"))
+            print(f"| {r['mix']} | {r['one_gpu_fwdbwd_ms']:.2f} | {cells} |")
     dist.destroy_process_group()
 
 

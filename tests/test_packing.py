@@ -240,6 +240,23 @@ def test_gloo_packed(pools, world, layout, kw, mode):
         assert torch.equal(value["positions"], packing.positions(rank)) and value["rows"] == packing.rows(rank)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gloo_allgather_in_two_groups(pools, world):
+    """Real ranks (gloo): the all-gather mode's two gather groups (forced in the workers), each
+    group's all-gather posted while the last one computes and its reduce-scatter while the next
+    one does, exact against float64."""
+    lengths = [0, 23, 1, max(1, world - 1), 31, 2 * world + 1, 17, 0, 40, 9]
+    kw = {"causal": True}
+    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "allgather", 1, 2, 1, 0)
+    assert all(status == "ok" for status, _ in res), res
+    assert all(value["groups"] == 2 for _, value in res)
+    cu = random_cu_seqlens(lengths)
+    g = torch.Generator().manual_seed(world)
+    q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2, 2, 4))
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    _check(res[0][1]["full"], ref, _base_errors(q, k, v, do, cu, kw, ref), torch.float64, f"gloo groups P={world}")
+
+
 @pytest.mark.parametrize("kind,message", [("rows", r"rank 0: q must have this rank's \d+ packed tokens"),
                                           ("cu_mismatch", r"rank 1: cu_seqlens\[1\] is 6, expected 5 as on rank 0")])
 def test_gloo_packed_bad_input(pools, kind, message):

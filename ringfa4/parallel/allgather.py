@@ -170,13 +170,13 @@ class AllGatherSchedule(PackSchedule):
 
 @dataclass(frozen=True)
 class GatheredCall(VarlenCall):
-    """A call of travelling documents: its key rows (``pairs``' k ranges are positions in the
-    documents' global order) read from the gathered buffers' rows, where a document's pieces
+    """A call of travelling documents: its key rows (``pairs``' k ranges are key positions in
+    each pair's document) read from one gather group's buffers' rows, where a document's pieces
     sit rank-major: ``k_runs`` holds, per pair, its (gathered row, length) runs. The held K is the
     rows view of the gathered buffers and the held V the same view ``cap`` rows on
     (:func:`gathered_rows`), so one index serves both and the keys are gathered once a call,
     straight from what the all-gather received; dK/dV go back by the same index into the
-    reduce-scatter's buffer."""
+    group's reduce-scatter buffer (:class:`~ringfa4.kernels.spec.RowsAt`)."""
 
     k_runs: tuple[tuple[tuple[int, int], ...], ...] = ()
     k_contiguous: ClassVar[bool] = False
