@@ -203,13 +203,13 @@ class ContextParallel:
         int32 document boundaries (any lengths, zero allowed). ``mode``:
 
         - "balanced": the cost-balanced placement (:mod:`ringfa4.parallel.dispatch`): short
-          documents whole on one rank, long ones in tile-aligned pieces on every rank; only the
-          split documents' K/V move, through ring hops or one all-gather by the rule of
+          documents whole on one rank, long ones in tile-aligned pieces on the ranks they need;
+          only the split documents' K/V move, through ring hops or the all-gather by the rule of
           :func:`~ringfa4.parallel.allgather.prefer_allgather` applied to the split documents;
         - "auto" (default): "balanced" (the solver itself falls back to splitting every document
           where that balances best, which is the per-document placement);
         - "ring" / "allgather": the layout inside every document, every token's K/V moving by ring
-          hops / one all-gather (kept for comparison and for the layout's own chunking).
+          hops / the all-gather (kept for comparison and for the layout's own chunking).
         ``pack.describe()`` prints the placement and the balance reached."""
         error, packing = None, None
         try:
@@ -340,7 +340,7 @@ class Pack:
         self.placement = packing if cp.ulysses == 1 else HybridPacking(packing, cp.ulysses)
 
     def uses_allgather(self, num_heads: int, num_kv_heads: int) -> bool:
-        """Whether the travelling K/V move by one all-gather (``mode``, or the rule for balanced)."""
+        """Whether the travelling K/V move by the all-gather mode (``mode``, or the rule for balanced)."""
         if self.mode in ("ring", "allgather"):
             return self.mode == "allgather"
         return prefer_allgather(self.packing, num_heads, num_kv_heads)
