@@ -39,7 +39,7 @@ from .blocks import band_block, global_band, whole_block
 from .memo import cached_method
 from .packing import Packing
 from .ring import calls
-from .ring.run import direct_home
+from .ring.home_grads import HomeGrads
 from .varlen import PackSchedule, VarlenCall, q_runs
 
 __all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
@@ -280,32 +280,21 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     one reduce-scatter, posted once the group's blocks are queued (it overlaps the next group);
     a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32 dK/dV by their key
     index straight into the group's reduce-scatter buffer (laid out as :func:`gathered_rows` lays
-    out K/V). The rank's whole documents, when one call of exactly the rows after the travelling
-    prefix (:func:`~.ring.run.direct_home`), get their final dq / dk / dv from that call alone in
-    the inputs' dtype (one varlen call's numerics, no fp32 accumulators)."""
+    out K/V). The rows that never travel as in the ring (:class:`~.ring.home_grads.HomeGrads`: a
+    direct home call's own final gradients, else fp32 accumulators that stay home)."""
     sched = run.schedule
     acc = torch.float64 if qs[0].dtype == torch.float64 else torch.float32
     fp32 = run.options.fp32_grads and qs[0].dtype != acc
-    dqs, homes, directs, finals = [], [], [], [None] * len(qs)
-    for i, r in enumerate(run.ranks):
-        travel = sched.travel_rows(r)
-        direct = direct_home(run, sched.blocks(r), r)
-        dqs.append(torch.zeros(qs[i].shape if direct is None else (travel,) + tuple(qs[i].shape[1:]), dtype=acc,
-                               device=qs[i].device))
-        homes.append(None if direct is not None or travel == sched.rows(r) else (
-            torch.zeros(ks[i].shape, dtype=acc, device=ks[i].device),
-            torch.zeros(vs[i].shape, dtype=acc, device=vs[i].device)))
-        directs.append(direct)
+    rows = HomeGrads(run, qs, ks, vs, sched.blocks)
 
     def block(i, call, held, dst):
         tensors = (douts[i], qs[i], *held, outs[i], lses[i])
-        if call is directs[i]:
-            finals[i] = calls.backward(run.backend, call, tensors, run.spec)
+        if rows.backward(i, call, tensors):
             return
-        kept = calls.backward_fp32(run.backend, call, tensors, run.spec, dqs[i], dst) if fp32 else None
+        kept = calls.backward_fp32(run.backend, call, tensors, run.spec, rows.dqs[i], dst) if fp32 else None
         if kept is None:
             g = calls.backward(run.backend, call, tensors, run.spec)
-            call.add_q(dqs[i], g[0])
+            call.add_q(rows.dqs[i], g[0])
             kept = g[1:]
         if kept:
             call.add_k(dst[0], kept[0])
@@ -315,7 +304,7 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     pending, scattering = (_gather_start(run, ks, vs, 0) if n else None), []
     for i, r in enumerate(run.ranks):
         for call in sched.home_calls(r):
-            block(i, call, (ks[i], vs[i]), homes[i])
+            block(i, call, (ks[i], vs[i]), rows.homes[i])
     for g in range(n):
         kv = _gathered(run, ks, vs, g, pending)
         pending = _gather_start(run, ks, vs, g + 1) if g + 1 < n else None
@@ -327,28 +316,15 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
         del kv
         scattering.append(run.transport.reduce_scatter_start(fulls))
-    dks, dvs = [], []
     travelled = [_travelled(run, ks[i], vs[i], r, acc) for i, r in enumerate(run.ranks)]
     for g, p in enumerate(scattering):
         for i, (r, mine) in enumerate(zip(run.ranks, run.transport.finish(p))):
             ks_, vs_, kn, _ = _layout(ks[i], vs[i], sched.group_cap(g))
-            rows, index = sched.group_rows(r, g), sched.group_index(r, g, ks[i].device)
-            travelled[i][0].index_add_(0, index, mine[:kn].view(ks_)[:rows])
-            travelled[i][1].index_add_(0, index, mine[kn:].view(vs_)[:rows])
-    for i in range(len(qs)):
-        dk, dv = travelled[i]
-        if finals[i] is not None:
-            dks.append(calls.join_rows(dk, finals[i][1], ks[i].dtype))
-            dvs.append(calls.join_rows(dv, finals[i][2], vs[i].dtype))
-        else:
-            if homes[i] is not None:  # the travelled dK/dV added to what stayed home
-                homes[i][0][: dk.shape[0]] += dk
-                homes[i][1][: dv.shape[0]] += dv
-                dk, dv = homes[i]
-            dks.append(dk.to(ks[i].dtype))
-            dvs.append(dv.to(vs[i].dtype))
-    dq_out = [dq.to(q.dtype) if f is None else calls.join_rows(dq, f[0], q.dtype) for dq, q, f in zip(dqs, qs, finals)]
-    return dq_out, dks, dvs
+            got, index = sched.group_rows(r, g), sched.group_index(r, g, ks[i].device)
+            travelled[i][0].index_add_(0, index, mine[:kn].view(ks_)[:got])
+            travelled[i][1].index_add_(0, index, mine[kn:].view(vs_)[:got])
+    got = [rows.dkv(i, *t) for i, t in enumerate(travelled)]
+    return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]
 
 
 def _travelled(run, k: torch.Tensor, v: torch.Tensor, rank: int, dtype: torch.dtype):

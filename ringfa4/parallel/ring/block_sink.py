@@ -6,7 +6,8 @@ import torch
 
 from . import calls
 from .buffers import KVBuffers
-from .run import RingRun, acc_dtype, cap_of, direct_home, row_dim
+from .home_grads import HomeGrads
+from .run import RingRun, acc_dtype, cap_of
 
 __all__ = ["BlockGradSink"]
 
@@ -30,18 +31,9 @@ class BlockGradSink:
         self.run, self.douts, self.qs, self.outs, self.lses, self.ks, self.vs = run, douts, qs, outs, lses, ks, vs
         wire = acc if run.options.dkv_wire_fp32 else ks[0].dtype
         self.bufs = KVBuffers(ks[0], vs[0], cap_of(run), dtype=wire)
-        sched = run.schedule
-        self.direct = [direct_home(run, sched.blocks(r, 0), r) if sched.travel_rows(r) < sched.rows(r) else None
-                       for r in run.ranks]
-        self.finals: list = [None] * len(qs)  # the direct call's (dq, dk, dv) per local rank
-        self.dqs = [torch.zeros(q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=acc,
-                                device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
+        self.rows = HomeGrads(run, qs, ks, vs, lambda r: run.schedule.blocks(r, 0))
         # fp32 block gradients (the backend's backward_accumulate) where asked and not already exact
         self.fp32 = run.options.fp32_grads and qs[0].dtype != acc
-        self.home = [(torch.zeros(k.shape, dtype=acc, device=k.device),
-                      torch.zeros(v.shape, dtype=acc, device=v.device))
-                     if sched.travel_rows(r) < sched.rows(r) and c is None else None
-                     for k, v, r, c in zip(ks, vs, run.ranks, self.direct)]
 
     def zeros(self, g: int, device) -> torch.Tensor:
         return self.bufs.zeros(device)
@@ -53,15 +45,14 @@ class BlockGradSink:
         mine = []
         for blk in blocks:
             tensors = (self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i])
-            if blk is self.direct[i]:
-                self.finals[i] = calls.backward(self.run.backend, blk, tensors, self.run.spec)
+            if self.rows.backward(i, blk, tensors):
                 continue
-            home = self.home[i] if blk.home else None  # there already: added into in place
-            kept = calls.backward_fp32(self.run.backend, blk, tensors, self.run.spec, self.dqs[i], home) if (
+            home = self.rows.homes[i] if blk.home else None  # there already: added into in place
+            kept = calls.backward_fp32(self.run.backend, blk, tensors, self.run.spec, self.rows.dqs[i], home) if (
                 self.fp32) else None
             if kept is None:
                 dq, dk, dv = calls.backward(self.run.backend, blk, tensors, self.run.spec)
-                blk.add_q(self.dqs[i], dq)
+                blk.add_q(self.rows.dqs[i], dq)
                 kept = (dk, dv)
             if kept:
                 mine.append((blk, *kept))
@@ -70,26 +61,13 @@ class BlockGradSink:
     def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
         dk_acc, dv_acc = self.bufs.view(buf, rows)
         for blk, dk, dv in mine:
-            dst_k, dst_v = (self.home[i][0], self.home[i][1]) if blk.home else (dk_acc, dv_acc)
+            dst_k, dst_v = self.rows.homes[i] if blk.home else (dk_acc, dv_acc)
             blk.add_k(dst_k, dk)
             blk.add_k(dst_v, dv)
 
     def dq(self) -> list[torch.Tensor]:
-        return [dq.to(q.dtype) if f is None else calls.join_rows(dq, f[0], q.dtype)
-                for dq, q, f in zip(self.dqs, self.qs, self.finals)]
+        return self.rows.dq()
 
     def dkv(self, bufs: list[list[torch.Tensor]], rows: list[int]):
-        dks, dvs = [], []
-        for i, (buf, n) in enumerate(zip(bufs[0], rows)):
-            dk, dv = self.bufs.view(buf, n)
-            if self.finals[i] is not None:
-                dks.append(calls.join_rows(dk, self.finals[i][1], self.ks[i].dtype))
-                dvs.append(calls.join_rows(dv, self.finals[i][2], self.vs[i].dtype))
-                continue
-            if self.home[i] is not None:  # the travelled prefix added to what stayed home
-                self.home[i][0].narrow(row_dim(dk), 0, n).add_(dk)
-                self.home[i][1].narrow(row_dim(dv), 0, n).add_(dv)
-                dk, dv = self.home[i][0], self.home[i][1]
-            dks.append(dk.to(self.ks[i].dtype))
-            dvs.append(dv.to(self.vs[i].dtype))
-        return dks, dvs
+        got = [self.rows.dkv(i, *self.bufs.view(buf, n)) for i, (buf, n) in enumerate(zip(bufs[0], rows))]
+        return [dk for dk, _ in got], [dv for _, dv in got]

@@ -1,0 +1,63 @@
+"""The gradients of a rank's rows that never travel (a balanced pack's whole documents), shared by
+the backward executors that compute them (:class:`~.block_sink.BlockGradSink` for the ring,
+:func:`~ringfa4.parallel.allgather.allgather_backward`).
+
+Per local rank: where its whole documents form one call of exactly the rows after the travelling
+prefix (:func:`~.run.direct_home`) that call is their only contribution, so its plain backward
+gives their final dq / dk / dv in the inputs' dtype (one varlen call's numerics) and the fp32 dq
+accumulator covers the travelling prefix only; else dq is accumulated over all rows and the home
+rows' dK/dV in fp32 accumulators that stay home (none where every row travels)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import calls
+from .run import RingRun, acc_dtype, direct_home, row_dim
+
+__all__ = ["HomeGrads"]
+
+
+class HomeGrads:
+    """``blocks_of(rank)``: the calls whose ``home`` one is looked for. ``dqs[i]``: rank i's fp32 dq
+    accumulator; ``homes[i]``: its home rows' ``(dk, dv)`` fp32 accumulators or None; ``direct[i]``:
+    the direct call or None (:meth:`backward` runs it)."""
+
+    def __init__(self, run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
+                 blocks_of) -> None:
+        self.run, self.qs, self.ks, self.vs = run, qs, ks, vs
+        acc, sched = acc_dtype(qs[0]), run.schedule
+        self.direct = [direct_home(run, blocks_of(r), r) if sched.travel_rows(r) < sched.rows(r) else None
+                       for r in run.ranks]
+        self.finals: list = [None] * len(qs)  # the direct call's (dq, dk, dv) per local rank
+        self.dqs = [torch.zeros(q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=acc,
+                                device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
+        zeros = lambda x: torch.zeros(x.shape, dtype=acc, device=x.device)  # noqa: E731
+        self.homes = [(zeros(k), zeros(v)) if sched.travel_rows(r) < sched.rows(r) and c is None else None
+                      for k, v, r, c in zip(ks, vs, run.ranks, self.direct)]
+
+    def backward(self, i: int, blk, tensors: tuple[torch.Tensor, ...]) -> bool:
+        """Where ``blk`` is rank i's direct call: its plain backward kept as those rows' final
+        gradients (True); else False, touching nothing."""
+        if blk is not self.direct[i]:
+            return False
+        self.finals[i] = calls.backward(self.run.backend, blk, tensors, self.run.spec)
+        return True
+
+    def dq(self) -> list[torch.Tensor]:
+        """Per local rank its dq in q's dtype."""
+        return [dq.to(q.dtype) if f is None else calls.join_rows(dq, f[0], q.dtype)
+                for dq, q, f in zip(self.dqs, self.qs, self.finals)]
+
+    def dkv(self, i: int, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank i's dK / dV in the inputs' dtypes from its travelling rows' summed ``dk, dv`` (the
+        prefix; all rows where everything travels)."""
+        final, home = self.finals[i], self.homes[i]
+        if final is not None:
+            return calls.join_rows(dk, final[1], self.ks[i].dtype), calls.join_rows(dv, final[2], self.vs[i].dtype)
+        if home is not None:  # the travelled prefix added to what stayed home
+            n = dk.shape[row_dim(dk)]
+            home[0].narrow(row_dim(dk), 0, n).add_(dk)
+            home[1].narrow(row_dim(dv), 0, n).add_(dv)
+            dk, dv = home
+        return dk.to(self.ks[i].dtype), dv.to(self.vs[i].dtype)
