@@ -164,14 +164,23 @@ def auto_plan(domain, heads, kv):
 def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2, tile=1, pipeline_pairs=None):
     """Packed documents through the distributed ring; full results and bit identity with the
     simulated executor (``tile``: the layout's, so the balanced placement cuts documents;
-    ``pipeline_pairs``: the all-gather's group threshold in this worker, 0 forcing two groups)."""
-    from helpers import random_cu_seqlens
-
+    ``pipeline_pairs``: the all-gather's group threshold in this worker for this case, 0 forcing
+    two groups)."""
     from ringfa4.parallel import allgather
 
     kept_pairs = allgather.PIPELINE_PAIRS
     if pipeline_pairs is not None:
         allgather.PIPELINE_PAIRS = pipeline_pairs
+    try:
+        return _packed_case(layout, dtype, lengths, kw, seed, mode, ulysses, h_kv, tile)
+    finally:  # the pool's workers run other cases after this one
+        allgather.PIPELINE_PAIRS = kept_pairs
+
+
+def _packed_case(layout, dtype, lengths, kw, seed, mode, ulysses, h_kv, tile):
+    from helpers import random_cu_seqlens
+
+    from ringfa4.parallel import allgather
 
     if tile > 1:
         layout = ringfa4.parallel.make_layout(layout, dist.get_world_size() // ulysses, tile=tile)
@@ -198,7 +207,6 @@ def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2
                                                           (vs.grad, 0))]
     identical = all(torch.equal(a, b) for a, b in zip(mine, sim_mine))
     groups = len(pack.packing.gather_groups(allgather.gather_group_count(pack.packing)))
-    allgather.PIPELINE_PAIRS = kept_pairs  # the pool's workers run other cases after this one
     return {"full": full, "identical": identical, "positions": pack.positions(), "rows": ql.shape[0],
             "groups": groups}
 
