@@ -86,6 +86,10 @@ class AllGatherSchedule(PackSchedule):
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self._groups()
+
+    @cached_method
+    def _groups(self) -> tuple[tuple[int, ...], ...]:
         return self.pack.gather_groups(gather_group_count(self.pack))
 
     @cached_method
@@ -235,6 +239,23 @@ def _gathered(run, ks, vs, g: int, pending) -> list[tuple[torch.Tensor, torch.Te
     return [gathered_rows(x, ks[0], vs[0], cap) for x in run.transport.finish(pending)]
 
 
+class _Arriving:
+    """The gather groups in order as ``(g, held K/V per local rank)``: group 0's all-gather posted
+    at once (the caller computes the home calls meanwhile), group ``g + 1``'s posted before group
+    ``g`` is handed out, so it is in flight while ``g`` computes."""
+
+    def __init__(self, run, ks, vs) -> None:
+        self.run, self.ks, self.vs, self.n = run, ks, vs, len(run.schedule.groups)
+        self.pending = _gather_start(run, ks, vs, 0) if self.n else None
+
+    def __iter__(self):
+        for g in range(self.n):
+            kv = _gathered(self.run, self.ks, self.vs, g, self.pending)
+            self.pending = _gather_start(self.run, self.ks, self.vs, g + 1) if g + 1 < self.n else None
+            yield g, kv
+            del kv
+
+
 def allgather_forward(run, qs, ks, vs):
     """Same contract as :func:`ring_forward`, packed tensors only. Every local row is in exactly
     one call (a segment is one block: its document's visible keys in one range), so each call
@@ -260,14 +281,10 @@ def allgather_forward(run, qs, ks, vs):
                 call.put_q(outs[i], o)
                 call.put_lse(lses[i], l)
 
-    n = len(sched.groups)
-    pending = _gather_start(run, ks, vs, 0) if n else None
+    arriving = _Arriving(run, ks, vs)
     compute(sched.home_calls, lambda i: (ks[i], vs[i]))
-    for g in range(n):
-        kv = _gathered(run, ks, vs, g, pending)
-        pending = _gather_start(run, ks, vs, g + 1) if g + 1 < n else None
+    for g, kv in arriving:
         compute(lambda r, g=g: sched.group_calls(r, g), lambda i, kv=kv: kv[i])
-        del kv
     if run.sinks is not None:  # once, on the final rows
         for i, q in enumerate(qs):
             apply_sinks_(outs[i], lses[i], run.sinks)
@@ -300,21 +317,18 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             call.add_k(dst[0], kept[0])
             call.add_k(dst[1], kept[1])
 
-    n = len(sched.groups)
-    pending, scattering = (_gather_start(run, ks, vs, 0) if n else None), []
+    arriving, scattering = _Arriving(run, ks, vs), []
     for i, r in enumerate(run.ranks):
         for call in sched.home_calls(r):
             block(i, call, (ks[i], vs[i]), rows.homes[i])
-    for g in range(n):
-        kv = _gathered(run, ks, vs, g, pending)
-        pending = _gather_start(run, ks, vs, g + 1) if g + 1 < n else None
+    for g, kv in arriving:
         cap, fulls = sched.group_cap(g), []
         for i, r in enumerate(run.ranks):
             flat, dkv, bases = _grad_rows(sched.world_size, ks[i], vs[i], cap, acc)
             for call in sched.group_calls(r, g):
                 block(i, call, kv[i], dkv)
             fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
-        del kv
+        del kv  # (the next group's K/V already arriving)
         scattering.append(run.transport.reduce_scatter_start(fulls))
     travelled = [_travelled(run, ks[i], vs[i], r, acc) for i, r in enumerate(run.ranks)]
     for g, p in enumerate(scattering):
