@@ -1,9 +1,16 @@
 """The real-rank path of a ring call on one machine, for host_cost.py: P processes form a gloo
 process group (its metadata checks go over the gloo control group, as on any real rank), each holds
 its own shard and runs ``ringfa4.attention`` through a distributed ``ContextParallel`` whose hops are
-a stub: a one-rank loopback transport, so every hop copies the rank's own buffers into its receive
-buffers on the communication stream (the bytes a real rank receives; contents stale: timing only).
-All P ranks may share one GPU.
+a stub: every hop copies the rank's own buffers into its receive buffers on the communication stream
+(the bytes a real rank receives; contents stale: timing only). All P ranks may share one GPU.
+``hops`` picks how a hop is waited for:
+
+- ``"loopback"``: a one-rank loopback transport (the compute stream waits on the copy's event; no
+  error channel);
+- ``"stream-ordered"``: the P2P transport's path with a stand-in NCCL work per hop, waited through
+  the error channel as on NCCL (``work.wait()``, the watch thread polling it);
+- ``"blocking"``: the same, waited as NCCL with a timeout is (``work.wait(timeout)`` blocks the CPU
+  until the copy is done: the path before stream-ordered waits).
 
 ``real_rank_rows(P, tokens, ...)`` spawns the ranks, times each rank's host microseconds per call
 (the queued-sleep method on CUDA, wall time on CPU) and returns rank 0's rows.
@@ -51,6 +58,49 @@ def _host_us(fn, reps: int, cuda: bool, cycles: int, barrier=None) -> list[float
     return times
 
 
+class _CopyWork:
+    """A stand-in NCCL work: the hop's copy event. ``wait()`` orders the current stream after it;
+    ``wait(timeout)`` blocks the CPU until it is done (NCCL's behaviour with a timeout)."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is None:
+            torch.cuda.current_stream().wait_event(self.event)
+        else:
+            self.event.synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+def _stub_p2p(transport, blocking: bool):
+    """``transport`` (this rank's P2PTransport) with its hops replaced by own-buffer copies on the
+    communication stream, each handed to the error channel as a :class:`_CopyWork`."""
+    from ringfa4.parallel.transport import P2PTransport, _Handle, _pieces
+
+    class StubP2P(P2PTransport):
+        def shift(self, send, recv, offset):
+            (s,), (r,) = send, recv
+            device = _pieces(s)[0].device
+            stream, event = self.comm_stream(device), torch.cuda.Event()
+
+            def post():
+                for a, b in zip(_pieces(s), _pieces(r), strict=True):
+                    b.copy_(a, non_blocking=True)
+                event.record(stream)
+            self.on_stream(stream, device, post)
+            return _Handle(works=[_CopyWork(event)], event=((self.rank - offset) % self.world_size,
+                                                             (self.rank + offset) % self.world_size, None, None))
+
+    stub = StubP2P(transport.group, transport.rank, transport.world_size, transport.timeout, transport.channel,
+                   transport.cp_ranks)
+    stub.channel.gloo = blocking  # the gloo path's sliced wait(timeout) blocks like NCCL's wait(timeout)
+    return stub
+
+
 def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     import ringfa4
@@ -66,8 +116,12 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         g = torch.Generator(device="cpu").manual_seed(rank)
         n, (h, hk, d) = spec["tokens"], spec["heads"]
         q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
-        # the stub hops: a one-rank loopback, so a hop copies this rank's own buffers into its receive buffers
-        cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport())
+        # the stub hops: a hop copies this rank's own buffers into its receive buffers
+        if spec["hops"] == "loopback":
+            cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport())
+        else:
+            cp = ringfa4.ContextParallel(backend=spec["backend"])
+            cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")
         steps = cp.run(q, ringfa4.kernels.AttnSpec(causal=True)).active_steps
         rows = []
         for backward in (False, True):
@@ -78,7 +132,8 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
                     out.backward(do)
             _host_us(call, 3, cuda, spec["cycles"], dist.barrier)  # warm-up (compiles), the same count everywhere
             times = _host_us(call, spec["reps"], cuda, spec["cycles"], dist.barrier)
-            rows.append({"path": "real-rank", "mode": "eager", "pass": "fwd+bwd" if backward else "fwd",
+            rows.append({"path": "real-rank", "hops": spec["hops"], "mode": "eager",
+                         "pass": "fwd+bwd" if backward else "fwd",
                          "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                          "us_per_rank_step": statistics.median(times) / steps,
                          "min_us_per_rank_step": min(times) / steps})
@@ -90,12 +145,14 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
 
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",
-                   reps: int = 10, cycles: int = 0, timeout_s: float = 600.0) -> list[dict]:
+                   reps: int = 10, cycles: int = 0, hops: str = "loopback") -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
-    timed call (CUDA). Raises RuntimeError naming the rank that failed."""
-    spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles}
-    return spawn_ranks(_worker, world, spec, timeout_s, "real-rank host cost")[0]
+    timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones).
+    Raises RuntimeError naming the rank that failed."""
+    spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
+            "hops": hops}
+    return spawn_ranks(_worker, world, spec, 600.0, "real-rank host cost")[0]
 
 
 def spawn_ranks(worker, world: int, arg, timeout_s: float, what: str) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
@@ -231,6 +232,8 @@ def main() -> None:
     ap.add_argument("--real-rank", action="store_true",
                     help="also the real-rank path: P spawned gloo ranks on this GPU, stub hops (_real_rank.py)")
     ap.add_argument("--host-only", action="store_true", help="skip the GPU timings (efficiency, of calls alone)")
+    ap.add_argument("--hops", default="loopback,stream-ordered,blocking",
+                    help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking")
     ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
@@ -261,8 +264,8 @@ def main() -> None:
         if args.real_rank:
             from _real_rank import real_rank_rows
 
-            for tokens in (int(t) for t in args.tokens.split(",")):
-                rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles)
+            for tokens, hops in itertools.product((int(t) for t in args.tokens.split(",")), args.hops.split(",")):
+                rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops)
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows
@@ -277,7 +280,8 @@ def main() -> None:
           "launches/rank-step | efficiency | of calls alone | waited |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
-        print(f"| {r.get('path', 'simulated')} {r['layout']} | {r['mode']} | {r['P']} | {r['tokens_per_rank']} | "
+        print(f"| {r.get('path', 'simulated')} {r.get('hops', '')} {r['layout']} | {r['mode']} | {r['P']} | "
+              f"{r['tokens_per_rank']} | "
               f"{r['pass']} | "
               f"{r['us_per_rank_step']:.0f} | "
               f"{r['min_us_per_rank_step']:.0f} | "

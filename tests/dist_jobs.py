@@ -570,3 +570,50 @@ def dp_ulysses_case():
     sim = ringfa4.ContextParallel.simulated(2, backend="reference", ulysses=2)
     want = cp.shard(ringfa4.attention(q, k, v, cp=sim, causal=True), 1)
     return {"identical": torch.equal(out, want), "cp_rank": cp.rank}
+
+
+class _NeverDone:
+    """A stand-in for an NCCL work whose transfer never completes: ``wait()`` (stream-ordered)
+    returns at once, ``is_completed()`` stays False; ``waits`` records the arguments of each wait."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, *args):
+        self.waits.append(args)
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def stream_watch_case(stuck_rank, peer, timeout_s):
+    """``stuck_rank`` waits stream-ordered (the NCCL path of the error channel, forced) on a work
+    that never completes, then keeps queueing host work while the watch thread decides; the other
+    rank, in the same call, posts an error (``peer`` "posts") or never waits ("absent"). Returns
+    how long the wait held the host, the wait's arguments, and the error the next entry raised."""
+    import time
+
+    from ringfa4.parallel.errors import Channel
+
+    rank = dist.get_rank()
+    channel = Channel(dist.group.WORLD, rank, dist.get_world_size(), timeout_s)
+    call = channel.next_call()
+    if rank != stuck_rank:
+        if peer == "posts":
+            channel.post(call, f"rank {rank}: injected hop failure", "RuntimeError")
+        return {"posted": peer == "posts"}
+    channel.gloo = False  # the stream-ordered (NCCL) path, over this gloo group's store
+    work = _NeverDone()
+    start = time.monotonic()
+    channel.wait(work, call, "a ring hop", [1 - rank], group=dist.group.WORLD)
+    held_s = time.monotonic() - start
+    error, end = None, start + timeout_s + 20
+    while error is None and time.monotonic() < end:
+        time.sleep(0.05)
+        try:
+            channel.next_call()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    raised_at = time.monotonic() - start
+    return {"held_s": held_s, "wait_args": [list(a) for a in work.waits], "error": error, "raised_at_s": raised_at}

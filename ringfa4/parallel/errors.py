@@ -19,8 +19,11 @@ No store traffic on the success path: the store is read only while a wait has al
 longer than :data:`WATCH_AFTER_S`, then every :data:`POLL_S` (so a posted error reaches every
 waiting rank within about a second). Over gloo every wait is a collective's, polled in short
 slices (a timed-out slice of a gloo *send/receive* closes the whole group, a collective's does
-not). Over NCCL a wait is one ``work.wait(timeout)``; the store is read after it fails, and a
-timed-out NCCL communicator is aborted: destroy and re-initialise the process group.
+not). Over NCCL a wait is stream-ordered (:mod:`.watch`): the host never blocks on a transfer; a
+watch thread reads the store for a wait in flight longer than :data:`WATCH_AFTER_S`, and at the
+timeout names the missing ranks and aborts the NCCL communicators, so streams stuck on the
+transfer are released; the channel's next wait or collective entry raises it. Destroy and
+re-initialise the process group after an NCCL failure.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .watch import StreamWatch
+
 __all__ = ["Channel", "PeerFailure", "is_peer_failure", "NCCL_ADVICE", "POLL_S", "WATCH_AFTER_S"]
 
 WATCH_AFTER_S = 0.5
 POLL_S = 0.25
 GRACE_S = 2.0
-NCCL_ADVICE = ("on NCCL the timed-out communicator is aborted and posted sends/receives cannot be cancelled: "
-               "destroy the process group and initialise it again before the next call")
+NCCL_ADVICE = ("on NCCL the communicators of the waits in flight were aborted and posted sends/receives cannot be "
+               "cancelled: destroy the process group and initialise it again before the next call")
 
 _SEQ: dict[str, int] = {}  # per group name: sequence numbers handed out (the same on every rank)
 _WANT: dict[str, int] = {}  # per group name: data-group epoch this process asks for (grows on a failed call)
@@ -55,6 +60,13 @@ def PeerFailure(message: str, rank: int | None = None) -> RuntimeError:  # noqa:
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from another rank (see :func:`PeerFailure`)."""
     return hasattr(exc, "ringfa4_peer")
+
+
+def _abort_nccl(groups: list) -> None:
+    """After a stream-ordered wait failed: abort the NCCL process groups of the waits in flight."""
+    for group in {id(g): g for g in groups}.values():
+        if dist.get_backend(group) == "nccl":
+            dist.distributed_c10d._abort_process_group(group)
 
 
 def _store():
@@ -81,6 +93,7 @@ class Channel:
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
         self.call = _SEQ.get(self.name, 0)
         self.retired: list[Any] = []  # works of failed calls, kept alive (gloo may still write into them)
+        self.streams = StreamWatch(self, timeout_s, _abort_nccl, POLL_S, WATCH_AFTER_S)
 
     @property
     def want_epoch(self) -> int:
@@ -95,7 +108,9 @@ class Channel:
 
     # -- sequence numbers --------------------------------------------------------------------
     def next_call(self) -> int:
-        """The next sequence number (every rank takes the same one for the same entry)."""
+        """The next sequence number (every rank takes the same one for the same entry). Raises
+        first what the stream watch found since the last entry (an earlier call's NCCL failure)."""
+        self.streams.raise_failure()
         self.call = _SEQ[self.name] = _SEQ.get(self.name, 0) + 1
         return self.call
 
@@ -155,22 +170,18 @@ class Channel:
                            f"first ({msg if msg.startswith(prefix) else prefix + msg})", found["rank"])
 
     # -- waiting -----------------------------------------------------------------------------
-    def wait(self, work, call: int, what: str, peers: list[int] | None = None, gloo: bool | None = None) -> None:
+    def wait(self, work, call: int, what: str, peers: list[int] | None = None, gloo: bool | None = None,
+             group=None) -> None:
         """Wait for ``work`` (of ``call``; ``peers``: the ranks it depends on, CP-group ranks, None:
         all): return when it completed, raise the posted root cause within about a second of its
         posting, name a dead peer, or at the timeout name the ranks that never arrived. ``gloo``:
         whether ``work`` is a gloo collective, waited in slices while the store is watched
-        (default: whether the group's data is; the metadata checks' control group always is)."""
+        (default: whether the group's data is; the metadata checks' control group always is).
+        Otherwise (NCCL) the wait is stream-ordered and watched by :attr:`streams` (``group``: the
+        process group the work runs on, aborted at a failure); its failure is raised by a later
+        wait or entry."""
         if not (self.gloo if gloo is None else gloo):
-            try:
-                work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except Exception as exc:
-                found = self.posted(call)
-                if found is not None and found["rank"] != self.rank:
-                    raise self.peer_error(call, what, found) from exc
-                who = "a peer" if not peers else "rank(s) " + ", ".join(map(str, peers))
-                raise PeerFailure(f"rank {self.rank}: {what} of call {call} failed or timed out waiting on {who} "
-                                  f"({exc}); {NCCL_ADVICE}") from exc
+            self.streams.add(work, call, what, peers, group)
             return
         start = time.monotonic()
         deadline, step, next_poll = start + self.timeout_s, 0.002, start + WATCH_AFTER_S
@@ -201,6 +212,23 @@ class Channel:
             if now >= deadline:
                 self.retired.append(work)
                 raise self._timed_out(call, what, peers)
+
+    def verdict(self, call: int, what: str, peers: list[int] | None, overdue: bool) -> BaseException | None:
+        """The stream watch's question (:class:`.watch.Judge`) about a wait in flight: a root cause
+        posted for ``call``, else at ``overdue`` the ranks that never arrived (with the NCCL advice),
+        else None; meanwhile say this rank is alive and what it reached."""
+        found = self.posted(call)
+        if found is not None and found["rank"] != self.rank:
+            return self.peer_error(call, what, found)
+        self.watch_dead(call)
+        if self._has(call, "timeout"):
+            self._mark(call, f"reached/{self.rank}", str(call))
+        if not overdue:
+            return None
+        exc = self._timed_out(call, what, peers)
+        if is_peer_failure(exc):
+            return PeerFailure(f"{exc}; {NCCL_ADVICE}", exc.ringfa4_peer if exc.ringfa4_peer >= 0 else None)
+        return exc
 
     def _timed_out(self, call: int, what: str, peers: list[int] | None) -> PeerFailure:
         """At the timeout: post ``timeout`` and what we reached, wait a grace, name who is missing."""

@@ -251,7 +251,7 @@ class DistributedGroup:
         parts = [torch.empty_like(buf) for _ in range(self.world_size)]
         call = self.channel.next_call()
         work = dist.all_gather(parts, buf, group=self.transport.group, async_op=True)
-        self._guarded(call, self.channel.wait, work, call, "unshard's all-gather")
+        self._guarded(call, self.channel.wait, work, call, "unshard's all-gather", None, None, self.transport.group)
         return placement.unshard(parts, dim)
 
     def split(self, placement, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -325,7 +325,7 @@ class DistributedGroup:
                     ) -> torch.Tensor:
         out = flat.new_empty(sum(recv_sizes))
         work = self._guarded(call, dist.all_to_all_single, out, flat, recv_sizes, send_sizes, self.group, True)
-        self._guarded(call, self.channel.wait, work, call, "the Ulysses all-to-all")
+        self._guarded(call, self.channel.wait, work, call, "the Ulysses all-to-all", None, None, self.group)
         return out
 
     def _comm(self, rows: int, pieces: list[int] | None) -> UlyssesComm:

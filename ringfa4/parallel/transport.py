@@ -209,11 +209,12 @@ class P2PTransport(Transport):
     """One rank of a process group; ring peers are ``rank +- offset`` within ``group``.
 
     ``channel`` (:class:`~ringfa4.parallel.errors.Channel`) watches every wait: a posted error, a
-    dead peer or a missing rank ends it within seconds, named; ``cp_ranks``: the CP-group rank of
-    each rank of ``group`` (for the messages). Over gloo a hop is one ``all_to_all_single`` of
-    bytes (a collective can be waited on in slices; a gloo send/receive whose wait times out
-    closes the group), so a waiting rank can watch the channel; over NCCL it is
-    ``batch_isend_irecv`` on the communication stream."""
+    dead peer or a missing rank ends it within seconds, named (over NCCL the waits are
+    stream-ordered: the host never blocks on a hop, and the failure is raised at a later wait);
+    ``cp_ranks``: the CP-group rank of each rank of ``group`` (for the messages). Over gloo a hop
+    is one ``all_to_all_single`` of bytes (a collective can be waited on in slices; a gloo
+    send/receive whose wait times out closes the group), so a waiting rank can watch the channel;
+    over NCCL it is ``batch_isend_irecv`` on the communication stream."""
 
     def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta, channel=None,
                  cp_ranks: list[int] | None = None) -> None:
@@ -232,7 +233,7 @@ class P2PTransport(Transport):
             work.wait(self.timeout)
             return
         cp_peers = None if peers is None else [self.cp_ranks[p] for p in peers]
-        self.channel.wait(work, self.call, what, cp_peers)
+        self.channel.wait(work, self.call, what, cp_peers, group=self.group)
 
     def shift(self, send, recv, offset):
         (s,), (r,) = send, recv
