@@ -101,6 +101,26 @@ def _stub_p2p(transport, blocking: bool):
     return stub
 
 
+def _profiled(call, steps: int) -> dict:
+    """One call under cProfile (every rank, so the collectives match): Python calls per rank-step,
+    and the share of the call's profiled time spent in the metadata check (``exchange_and_check``,
+    its gloo all-gather included)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    dist.barrier()
+    prof.enable()
+    call()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = sum(tt for (_, _, tt, _, _) in stats.values())
+    check = sum(ct for (file, _, fn), (_, _, _, ct, _) in stats.items()
+                if fn == "exchange_and_check" and file.endswith("checks.py"))
+    return {"python_calls_per_rank_step": sum(nc for (_, nc, _, _, _) in stats.values()) / steps,
+            "check_share": check / total if total else 0.0}
+
+
 def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     import ringfa4
@@ -112,7 +132,12 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
     try:
         cuda = spec["device"] == "cuda"
         dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        dt = torch.bfloat16 if cuda else torch.float32
+        null = spec["backend"] == "null"  # kernels that do nothing (executor_floor.py's real-rank rows)
+        dt = torch.bfloat16 if cuda or null else torch.float32
+        if null:
+            from _null_backend import NullBackend
+
+            spec = dict(spec, backend=NullBackend())
         g = torch.Generator(device="cpu").manual_seed(rank)
         n, (h, hk, d) = spec["tokens"], spec["heads"]
         q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
@@ -136,7 +161,7 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
                          "pass": "fwd+bwd" if backward else "fwd",
                          "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                          "us_per_rank_step": statistics.median(times) / steps,
-                         "min_us_per_rank_step": min(times) / steps})
+                         "min_us_per_rank_step": min(times) / steps, **_profiled(call, steps)})
         results.put((rank, "ok", rows))
     except BaseException as exc:  # every failure reaches the parent
         results.put((rank, type(exc).__name__, str(exc)))
@@ -148,7 +173,8 @@ def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device:
                    reps: int = 10, cycles: int = 0, hops: str = "loopback") -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
-    timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones).
+    timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones);
+    ``backend`` "null": kernels that do nothing (``_null_backend.py``, bf16 on the CPU too).
     Raises RuntimeError naming the rank that failed."""
     spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
             "hops": hops}

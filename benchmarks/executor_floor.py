@@ -100,6 +100,17 @@ def packed_rows(P: int, total: int, reps: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def real_rank_floor(P: int, tokens: int, reps: int) -> list[dict]:
+    """The API level on real ranks: ``P`` spawned gloo ranks, each a distributed ContextParallel
+    with kernels that do nothing and loopback stub hops, so the per-call metadata check (a gloo
+    all-gather on the control group) is in; rank 0's rows, with the check's share of the profiled
+    call."""
+    from _real_rank import real_rank_rows
+
+    rows = real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps)
+    return [dict(r, level="api, real rank (gloo, check included)", tokens_per_rank=tokens) for r in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", default="4,8")
@@ -108,20 +119,26 @@ def main() -> None:
     ap.add_argument("--packed", type=int, default=8192,
                     help="tokens of the packed mix (documents of 128-2048 tokens); 0: none. Its rows are per rank "
                          "and call ('rank_steps' = P), not per rank-step")
+    ap.add_argument("--real-rank", default="2",
+                    help="world sizes of the real-rank rows (spawned gloo ranks, loopback stub hops, the metadata "
+                         "check included; _real_rank.py); empty: none")
     ap.add_argument("--out", default="bench_results/executor_floor.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = [r for P in args.worlds.split(",") for r in floor_rows(int(P), args.tokens, args.reps)]
     if args.packed:
         rows += [r for P in args.worlds.split(",") for r in packed_rows(int(P), args.packed, args.reps)]
+    for P in filter(None, args.real_rank.split(",")):
+        rows += real_rank_floor(int(P), args.tokens, args.reps)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpus": os.cpu_count(), "heads": H, "kv_heads": HK, "head_dim": D, "rows": rows}, f, indent=1)
     print(f"\nexecutor floor (kernels that do nothing, CPU, h={H}/{HK}, d={D}, {args.tokens} tokens a rank)")
     print("| P | pass | level | host us / rank-step, median (min) | Python calls / rank-step |\n|---|---|---|---|---|")
     for r in rows:
+        share = f", check {r['check_share']:.0%} of it" if "check_share" in r else ""
         print(f"| {r['P']} | {r['pass']} | {r['level']} | {r['us_per_rank_step']:.0f} "
-              f"({r['min_us_per_rank_step']:.0f}) | {r['python_calls_per_rank_step']:.0f} |")
+              f"({r['min_us_per_rank_step']:.0f}){share} | {r['python_calls_per_rank_step']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -123,8 +123,11 @@ def test_a_hop_wait_leaves_the_host_free_and_orders_the_stream(blocking):
     hops = _stub_p2p(P2PTransport(None, 0, 1, datetime.timedelta(seconds=30), channel, [0]), blocking)
     send = torch.randn(1 << 22, device="cuda")
     recv = torch.full_like(send, float("nan"))
+    hops.wait(hops.shift([send], [recv], 1))  # first use (streams, lazily loaded kernels) off the timed round
+    torch.cuda._sleep(1 << 20)
     torch.cuda.synchronize()
-    torch.cuda._sleep(1 << 29)  # a few hundred ms of queued GPU work
+    recv.fill_(float("nan"))
+    torch.cuda._sleep(1 << 30)  # about half a second of queued GPU work
     queued = torch.cuda.Event()
     queued.record()
     hops.wait(hops.shift([send], [recv], 1))

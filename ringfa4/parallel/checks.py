@@ -91,6 +91,19 @@ def _field_slices():
     return out
 
 
+_FIELD_SLICES = _field_slices()
+_DIM1 = tuple(sl.start + 1 for name, sl in _FIELD_SLICES if name.endswith(".shape"))  # q, k, v's dim 1
+
+
+def _agrees(row: list[int], first: list[int], length: int) -> bool:
+    """Whether a rank's metadata ``row`` (after the error flag and epoch) is rank 0's with q, k and
+    v's dim 1 equal to ``length`` (what the field by field comparison below accepts)."""
+    want = first[2:]
+    for i in _DIM1:
+        want[i] = length
+    return row[2:] == want
+
+
 def _describe(name: str, vals: list[int]):
     if name.endswith("shape"):
         return tuple(vals)
@@ -171,7 +184,9 @@ def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: A
     if shape is not None and shape.dense:  # any length: each rank must hold the layout's part of their sum
         comm.agreed_seq_len = sum(lengths)
         lengths = [cp.layout.rows(comm.agreed_seq_len, r) for r in range(cp.world_size)]
-    for name, sl in _field_slices():
+    if all(_agrees(rows[r], rows[0], lengths[r]) for r in range(cp.world_size)):
+        return comm.agreed_epoch  # the usual case, one list compare a rank; else name the first difference:
+    for name, sl in _FIELD_SLICES:
         for r in range(0 if name.endswith(".shape") else 1, cp.world_size):  # rank 0's own length too
             ref = list(rows[0][2:][sl])
             if name.endswith(".shape"):  # a dense rank's own length as the layout gives it

@@ -6,7 +6,8 @@ is ``work.wait()`` (no timeout: the current CUDA stream waits for the transfer, 
 on), and the work joins an in-flight list that one daemon thread per error channel polls every
 ``poll_s``:
 
-- completed works leave the list (``work.is_completed()``, a CUDA event query);
+- completed works leave the list (``work.is_completed()``, a CUDA event query; the oldest ones also
+  at the next ``add``, so a work's tensors are not kept from the allocator for a whole poll);
 - once the oldest has been in flight for ``watch_after_s``, the thread asks the channel's
   :class:`Judge` for a verdict: a root cause a peer posted for its call, a dead peer, or, past
   its deadline (``timeout_s`` after the wait was posted), the ranks that never arrived;
@@ -70,6 +71,8 @@ class StreamWatch:
         work.wait()
         now = time.monotonic()
         with self._wake:
+            while self._items and self._items[0].work.is_completed():  # done ones go now, not a poll later:
+                self._items.popleft()  # a work keeps its tensors (an NCCL work its outputs) from the allocator
             self._items.append(_InFlight(work, call, what, peers, group, now, now + self.timeout_s))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ringfa4-stream-watch", daemon=True)
