@@ -143,6 +143,9 @@ def _auto(device: torch.device, dtype: torch.dtype | None) -> BlockBackend:
     return chain[0] if len(chain) == 1 else FallbackBackend(chain)
 
 
+_BACKEND_TYPES: set[type] = set()  # classes whose instances passed the BlockBackend check
+
+
 def get_backend(name: str | BlockBackend = "auto", device: torch.device | str | None = None,
                 dtype: torch.dtype | None = None, **options) -> BlockBackend:
     """The backend object for ``name`` (or ``name`` itself when it already is a backend).
@@ -151,8 +154,10 @@ def get_backend(name: str | BlockBackend = "auto", device: torch.device | str | 
     compute_dtype=torch.float64)``; ``dtype`` steers ``auto`` (fa4 needs fp16/bf16).
     """
     if not isinstance(name, str):
-        if not isinstance(name, BlockBackend):
-            raise ValueError(f"backend must be a name or a BlockBackend, got {type(name).__name__}")
+        if type(name) not in _BACKEND_TYPES:  # a Protocol isinstance walks every method: once a type
+            if not isinstance(name, BlockBackend):
+                raise ValueError(f"backend must be a name or a BlockBackend, got {type(name).__name__}")
+            _BACKEND_TYPES.add(type(name))
         return name
     if name == "auto":
         if options:
