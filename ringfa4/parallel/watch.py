@@ -4,7 +4,7 @@ An NCCL ``work.wait(timeout)`` blocks the CPU until the transfer is done, so a r
 every ring hop could not queue the next block's kernels while the hop was in flight. Here a wait
 is ``work.wait()`` (no timeout: the current CUDA stream waits for the transfer, the host goes
 on), and the work joins an in-flight list that one daemon thread per error channel polls every
-``poll_s``:
+``poll_s`` (the thread ends after a few idle polls and the next wait starts another):
 
 - completed works leave the list (``work.is_completed()``, a CUDA event query; the oldest ones also
   at the next ``add``, so a work's tensors are not kept from the allocator for a whole poll);
@@ -94,8 +94,10 @@ class StreamWatch:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._items:
-                    self._wake.wait()
+                while not self._items:  # idle a few polls: the thread ends (the next add starts one)
+                    if not self._wake.wait(timeout=4 * self.poll_s) and not self._items:
+                        self._thread = None
+                        return
             time.sleep(self.poll_s)
             with self._wake:
                 live = [i for i in self._items if not i.work.is_completed()]
