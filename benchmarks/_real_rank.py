@@ -10,7 +10,8 @@ a stub: every hop copies the rank's own buffers into its receive buffers on the 
 - ``"stream-ordered"``: the P2P transport's path with a stand-in NCCL work per hop, waited through
   the error channel as on NCCL (``work.wait()``, the watch thread polling it);
 - ``"blocking"``: the same, waited as NCCL with a timeout is (``work.wait(timeout)`` blocks the CPU
-  until the copy is done: the path before stream-ordered waits).
+  until the copy is done: the path before stream-ordered waits);
+- ``"nccl"``: real hops, the ranks an NCCL group with one GPU each (P GPUs; the data really moves).
 
 ``real_rank_rows(P, tokens, ...)`` spawns the ranks, times each rank's host microseconds per call
 (the queued-sleep method on CUDA, wall time on CPU) and returns rank 0's rows.
@@ -127,11 +128,15 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
     from ringfa4.parallel import LoopbackTransport
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    nccl = spec["hops"] == "nccl"  # real NCCL hops, one GPU a rank (the two-GPU kind)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         cuda = spec["device"] == "cuda"
-        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        dev = torch.device("cuda", rank if nccl else 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(dev)
         null = spec["backend"] == "null"  # kernels that do nothing (executor_floor.py's real-rank rows)
         dt = torch.bfloat16 if cuda or null else torch.float32
         if null:
@@ -144,6 +149,8 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         # the stub hops: a hop copies this rank's own buffers into its receive buffers
         if spec["hops"] == "loopback":
             cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport())
+        elif nccl:  # the library's own P2P transport over the NCCL group (stream-ordered waits)
+            cp = ringfa4.ContextParallel(backend=spec["backend"])
         else:
             cp = ringfa4.ContextParallel(backend=spec["backend"])
             cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")

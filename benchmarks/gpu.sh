@@ -20,7 +20,8 @@
 #             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
 #   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one, weak scaling against PyTorch's
 #             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather in one and two
-#             pipelined groups, torchrun on 2 GPUs (~6 min)
+#             pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
+#             --hops nccl) (~8 min)
 #
 # Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-h200}.json (the names
 # kept in benchmarks/results). The library's defaults are RingOptions' (ringfa4/options.py); nothing here sets
@@ -124,6 +125,10 @@ stage_recipe() {
 stage_nccl() {  # NVLink multicast stays off (it can take a shared host's GPUs out of service)
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     torchrun --standalone --nproc-per-node 2 benchmarks/ring_nccl.py --out "$(name ring_nccl "2x$sfx")" "$@"
+  # the real rank's host time a rank-step over NCCL (stream-ordered hop waits), beside the stub rows
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    python3 benchmarks/host_cost.py --worlds 2 --tokens 4096,32768 --real-rank --no-simulated --no-baselines \
+    --hops nccl,loopback --out "$(name host_cost_nccl "2x$sfx")"
 }
 
 stage=${1:-}

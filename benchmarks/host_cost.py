@@ -233,7 +233,8 @@ def main() -> None:
                     help="also the real-rank path: P spawned gloo ranks on this GPU, stub hops (_real_rank.py)")
     ap.add_argument("--host-only", action="store_true", help="skip the GPU timings (efficiency, of calls alone)")
     ap.add_argument("--hops", default="loopback,stream-ordered,blocking",
-                    help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking")
+                    help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking; "
+                         "nccl: real NCCL hops, one GPU a rank")
     ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
