@@ -587,11 +587,14 @@ class _NeverDone:
         return False
 
 
-def stream_watch_case(stuck_rank, peer, timeout_s):
+def stream_watch_case(stuck_rank, peer, timeout_s, surface="entry"):
     """``stuck_rank`` waits stream-ordered (the NCCL path of the error channel, forced) on a work
     that never completes, then keeps queueing host work while the watch thread decides; the other
     rank, in the same call, posts an error (``peer`` "posts") or never waits ("absent"). Returns
-    how long the wait held the host, the wait's arguments, and the error the next entry raised."""
+    how long the wait held the host, the wait's arguments, and the error raised: by the channel's
+    next entry (``surface`` "entry"), or by a step of the call that then fails as a post on an
+    aborted communicator would ("guarded": the CP group raises the watch's verdict instead, and
+    posts nothing as this rank's root cause)."""
     import time
 
     from ringfa4.parallel.errors import Channel
@@ -609,6 +612,21 @@ def stream_watch_case(stuck_rank, peer, timeout_s):
     channel.wait(work, call, "a ring hop", [1 - rank], group=dist.group.WORLD)
     held_s = time.monotonic() - start
     error, end = None, start + timeout_s + 20
+    if surface == "guarded":
+        import datetime
+
+        from ringfa4.parallel.groups import DistributedGroup
+
+        cp_group = DistributedGroup(dist.group.WORLD, datetime.timedelta(seconds=timeout_s), channel=channel)
+        while channel.streams.failure is None and time.monotonic() < end:
+            time.sleep(0.05)
+
+        def post_on_aborted():
+            raise RuntimeError("NCCL communicator was aborted")
+        try:
+            cp_group._guarded(call, post_on_aborted)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
     while error is None and time.monotonic() < end:
         time.sleep(0.05)
         try:
@@ -616,4 +634,5 @@ def stream_watch_case(stuck_rank, peer, timeout_s):
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
     raised_at = time.monotonic() - start
-    return {"held_s": held_s, "wait_args": [list(a) for a in work.waits], "error": error, "raised_at_s": raised_at}
+    return {"held_s": held_s, "wait_args": [list(a) for a in work.waits], "error": error, "raised_at_s": raised_at,
+            "posted": channel.posted(call)}

@@ -100,6 +100,17 @@ def test_a_missing_peer_is_named_at_the_timeout_without_blocking_the_host(pool2)
     assert 2.0 <= r0["raised_at_s"] < 2.0 + 8.0, r0
 
 
+@pytest.mark.timeout(120)
+def test_a_step_failing_on_the_aborted_communicator_raises_the_watchs_verdict(pool2):
+    """After the watch named the missing rank (and aborted the communicator), the call's next post
+    fails on its own; the CP group raises the watch's verdict instead and posts no root cause."""
+    (s0, r0), (s1, r1) = pool2.run("stream_watch_case", 0, "absent", 2.0, "guarded", timeout=60)
+    assert s0 == "ok" and s1 == "ok", (r0, r1)
+    assert r0["error"] is not None and r0["error"].startswith("RuntimeError: rank 0: a ring hop of call"), r0
+    assert "rank(s) 1 never arrived" in r0["error"] and "communicator was aborted" not in r0["error"], r0
+    assert r0["posted"] is None, r0  # a peer's failure is never posted as this rank's root cause
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocking", [False, True], ids=["stream-ordered", "blocking"])
 def test_a_hop_wait_leaves_the_host_free_and_orders_the_stream(blocking):

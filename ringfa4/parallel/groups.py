@@ -220,6 +220,10 @@ class DistributedGroup:
         try:
             return fn(*args)
         except Exception as exc:
+            found = self.channel.streams.take_failure() if self.channel is not None else None
+            if found is not None:  # the watch's verdict, not what the aborted communicator raised
+                self._failed(found, call)
+                raise found from exc
             self._failed(exc, call)
             raise
 

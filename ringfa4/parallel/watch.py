@@ -14,7 +14,9 @@ on), and the work joins an in-flight list that one daemon thread per error chann
 - a verdict is kept as :attr:`StreamWatch.failure`, written to stderr, and ``abort(groups)`` is
   called with the process groups of the works still in flight (for NCCL: abort the
   communicators, so GPU streams stuck on a transfer that will never come are released). The next
-  wait or collective entry of the channel raises it on the host, once.
+  wait or collective entry of the channel raises it on the host, once; so does a failing step of
+  the call that was posting on the aborted communicator (the CP group raises the watch's verdict
+  instead of the abort's own error, see ``DistributedGroup._guarded``).
 
 No store traffic and no thread wake-ups beyond one poll per ``poll_s`` on the success path.
 """
@@ -82,9 +84,14 @@ class StreamWatch:
 
     def raise_failure(self) -> None:
         """Raise the failure the watch thread found (then forget it: it is raised once)."""
-        if self.failure is not None:
-            exc, self.failure = self.failure, None
+        exc = self.take_failure()
+        if exc is not None:
             raise exc
+
+    def take_failure(self) -> BaseException | None:
+        """The failure the watch thread found, or None; forgotten once taken."""
+        exc, self.failure = self.failure, None
+        return exc
 
     def in_flight(self) -> int:
         """Waits not yet seen complete (the watch thread prunes them every ``poll_s``)."""
