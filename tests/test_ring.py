@@ -553,3 +553,27 @@ def test_view_memo_makes_each_view_once_per_base_object():
     assert bufs.view(buf, 4)[0] is kb and bufs.view(buf, 4)[1] is vb
     assert torch.equal(kb, k[:, :4]) and torch.equal(vb, v[:, :4])
     assert bufs.view((k, v), 6)[0] is k  # all rows of an input pair: the input itself
+
+
+def _lse_fills(fn) -> int:
+    """Zero fills of a (1, 2, 16) tensor (the lse's shape below) that ``fn()`` makes."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name in ("aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_")
+               and [1, 2, 16] in [list(s) for s in e.input_shapes])
+
+
+def test_no_zeros_made_for_the_lse_gradient():
+    """lse carries no gradient, so autograd makes no zero tensor for it in the backward (one fill
+    launch a call): the ring's backward fills nothing of lse's shape, and a single call's backward
+    fills exactly what the backend's own backward does."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    spec = AttnSpec(causal=True)
+    out = ringfa4.attention(q, k, v, cp=ringfa4.ContextParallel.simulated(2, backend="reference"), causal=True)
+    assert _lse_fills(lambda: out.sum().backward()) == 0
+    out, lse = ringfa4.attention(q, k, v, causal=True, backend="reference", return_lse=True)
+    be = get_backend("reference")
+    own = _lse_fills(lambda: be.backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out.detach(),
+                                         lse, spec))
+    assert _lse_fills(lambda: out.sum().backward()) == own

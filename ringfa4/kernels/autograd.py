@@ -24,10 +24,13 @@ class _BlockAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backend, ctx.spec, ctx.sinks = backend, spec, sinks
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros made for lse's gradient (a fill launch a call)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # out took no part in the loss
+            return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.spec)

@@ -314,12 +314,15 @@ class _RingAttention(torch.autograd.Function):
         ctx.parts = (qs, ks, vs, outs, lses)
         ctx.sink_io = None if sinks is None else (out, lse, sinks)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros made for lse's gradient (a fill launch a call)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         cp, run, place, dim = ctx.cp, ctx.run, ctx.place, ctx.dim
         qs, ks, vs, outs, lses = ctx.parts
+        if dout is None:  # out took no part in the loss: zeros keep every rank's collectives in step
+            dout = torch.zeros_like(cp.comm.join(place, outs, dim))
         douts = cp.comm.split(place, dout.contiguous(), dim)
         dqs, dks, dvs = cp.comm.guard(cp.graphed(ctx.fns[1]), run, douts, qs, ks, vs, outs, lses)
         ctx.parts = None
