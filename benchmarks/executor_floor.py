@@ -108,7 +108,7 @@ def real_rank_floor(P: int, tokens: int, reps: int) -> list[dict]:
     from _real_rank import real_rank_rows
 
     rows = real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps)
-    return [dict(r, level="api, real rank (gloo, check included)", tokens_per_rank=tokens) for r in rows]
+    return [dict(r, level="api, real rank (gloo, check included)") for r in rows]
 
 
 def main() -> None:
