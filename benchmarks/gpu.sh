@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh STAGE [PART]
 #
 #   tests     the GPU test suite (pytest -m gpu; extra arguments go to pytest, e.g. a file to split it) (~10 min)
-#   kernels   block kernels vs sdpa and FA4 direct (kernels.py), fused merges (merge.py), the ring's forward kernels
+#   kernels   block kernels vs sdpa and FA4 direct (block_kernels.py), fused merges (merge.py), the ring's forward kernels
 #             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
 #   packed    packed documents (varlen_sim.py: each rank alone, balanced vs per-document placements) and Ulysses x
@@ -58,7 +58,7 @@ stage_tests() {
 }
 
 stage_kernels() {
-  python3 benchmarks/kernels.py --out "$(name kernels "$sfx")"
+  python3 benchmarks/block_kernels.py --out "$(name kernels "$sfx")"
   python3 benchmarks/merge.py --out "$(name merge "$sfx")"
   python3 benchmarks/fa4_merge_epilogue.py --out "$(name fa4_merge_epilogue "$sfx")" "$@"
 }

@@ -1,6 +1,6 @@
 """Block-kernel throughput of every available backend, and ringfa4's overhead over raw FA4.
 
-    python benchmarks/kernels.py [--quick] [--out bench_results/kernels.json]
+    python benchmarks/block_kernels.py [--quick] [--out bench_results/kernels.json]
 
 Part 1: forward and backward TFLOP/s of each backend from ``ringfa4.kernels.available_backends``
 (``reference`` skipped) on the shapes of shared/anchors.md: bf16, b·s = 32768 tokens, h·d = 2048,
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overhead", action="store_true", help="skip the fa4 overhead check")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/block_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
     t0 = time.time()
     shapes = QUICK_SHAPES if args.quick else SHAPES
