@@ -9,6 +9,9 @@
 #   bash benchmarks/compare_parent.sh BASE prec   ring_precision at P = 8 and 32: parent, this
 #   bash benchmarks/compare_parent.sh BASE host   host_cost.py (this tree's script on each tree's library): 4k
 #                                                 tokens a rank, P = 8, eager, host time only; parent, this
+#   bash benchmarks/compare_parent.sh BASE packed [MIXES]  varlen_sim.py (this tree's script on each tree's
+#                                                 library): the balanced placement of MIXES (default
+#                                                 uniform_64k,tail_256k) at P = 8 and 4; parent, this
 #   bash benchmarks/compare_parent.sh BASE sim VAR=VALUE...   the parent's ring_sim with its RINGFA4_* variables
 #
 # JSON under ${OUT:-bench_results}: ring_sim_<tag>.json, ring_precision_<tag>.json. The FA4 wheels'
@@ -37,10 +40,17 @@ host() {  # the parent's library under this tree's host_cost.py (its flags), so 
   env PYTHONPATH="$tree:$extra" timeout 200 python3 "$root/benchmarks/host_cost.py" --tokens 4096 --worlds 8 \
      --host-only --no-baselines --out "$out/host_cost_$tag.json" 2>&1 | grep "^| simulated"
 }
+packed() {  # the parent's library under this tree's varlen_sim.py
+  local tag=$1 tree=$2 mixes=$3
+  echo "== varlen_sim $tag"
+  env PYTHONPATH="$tree:$extra" timeout 280 python3 "$root/benchmarks/varlen_sim.py" --mixes "$mixes" --worlds 8,4 \
+     --modes balanced --rep 20 --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
+}
 case "$what" in
   sim) if [ $# -gt 0 ]; then sim "parent_$(echo "$*" | tr ' =' '__')" "$base" "$@"
        else sim parent1 "$base"; sim this1 "$root"; sim this2 "$root"; sim parent2 "$base"; fi ;;
   prec) prec parent "$base"; prec this "$root" ;;
   host) host parent "$base"; host this "$root" ;;
-  *) echo "usage: $0 BASE sim|prec|host [VAR=VALUE...]" >&2; exit 2 ;;
+  packed) packed parent "$base" "${1:-uniform_64k,tail_256k}"; packed this "$root" "${1:-uniform_64k,tail_256k}" ;;
+  *) echo "usage: $0 BASE sim|prec|host|packed [VAR=VALUE...]" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k)
 tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.
 
     python benchmarks/varlen_sim.py [--mixes uniform_64k,...] [--worlds 4,8] [--modes balanced,ring,allgather]
+        (balanced/ring, balanced/allgather: the placement with its travel forced)
         [--profile] [--out benchmarks/results/varlen_sim.json]
 
 ``--profile`` adds, per row, torch.profiler over the slowest rank's step: wall ms, GPU kernel ms by
@@ -142,6 +143,24 @@ def _shard(packing, dense: bool, t: torch.Tensor, r: int) -> torch.Tensor:
     return x.unsqueeze(0) if dense else x
 
 
+def key_rows(packing) -> int:
+    """The placement's spread: over ranks and the split documents they hold pieces of, the keys each
+    needs (up to the end of its last piece of the document), from the ranks' segments."""
+    total = 0
+    for r in range(packing.world_size):
+        ends: dict[int, int] = {}
+        for s in packing.segments(r):
+            if s.travels:
+                ends[s.doc] = max(ends.get(s.doc, 0), s.pos + s.length)
+        total += sum(ends.values())
+    return total
+
+
+def pieces(packing) -> int:
+    """Travelling segments (pieces of split documents) over all ranks."""
+    return sum(1 for r in range(packing.world_size) for s in packing.segments(r) if s.travels)
+
+
 def travel_kind(dense: bool, allgather: bool) -> str:
     return "dense" if dense else "allgather" if allgather else "ring"
 
@@ -168,8 +187,10 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
     for P in worlds:
         cp = ringfa4.ContextParallel.simulated(P, backend=be)
         for mode in modes:
-            pack = cp.pack(cu, mode)
-            packing, allgather = pack.packing, pack.uses_allgather(H, HK)
+            pack_mode, _, forced = mode.partition("/")  # "balanced/ring": the placement, its K/V forced to travel so
+            pack = cp.pack(cu, pack_mode)
+            packing = pack.packing
+            allgather = forced == "allgather" if forced else pack.uses_allgather(H, HK)
             dense = pack.is_one_dense_sequence()  # the API runs it on the dense ring: so is it timed
             fwd, bwd = (allgather_forward, allgather_backward) if allgather and not dense else (ring_forward,
                                                                                              ring_backward)
@@ -179,6 +200,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
             toks = [packing.rows(r) for r in range(P)]
             flops = [packing.work(r) for r in range(P)]
             travel = packing.max_travel_rows
+            keys = key_rows(packing)
             for backward in (False, True):
                 per_rank = []
                 for r in range(P):
@@ -198,7 +220,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
                     "split_docs": len(packing.split_docs()), "full_ms": t_full[backward],
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": t_full[backward] / (P * slowest), "flops_balance": _ratio(flops),
-                    "token_balance": _ratio(toks), "rows_per_hop": travel,
+                    "token_balance": _ratio(toks), "rows_per_hop": travel, "key_rows": keys, "pieces": pieces(packing),
                     "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {}))
                 print(json.dumps(rows[-1]), flush=True)
     del sets
@@ -210,7 +232,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--worlds", default="4,8")
-    ap.add_argument("--modes", default="balanced,ring,allgather")
+    ap.add_argument("--modes", default="balanced,ring,allgather",
+                    help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel")
     ap.add_argument("--rep", type=int, default=100, help="ms of do_bench per timing")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
     ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
@@ -228,12 +251,14 @@ def main() -> None:
     print(f"\npacked documents, each simulated rank alone on one {torch.cuda.get_device_name()} ({be.name}; "
           f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents")
     print("| mix | P | mode (K/V) | pass | split / docs | one call ms | slowest rank ms | efficiency | "
-          "FLOPs max/mean | tokens max/mean | MiB a hop |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "mean rank ms | FLOPs max/mean | tokens max/mean | MiB a hop | key rows / S | pieces |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        total = sum(mix_lengths(r["mix"]))
         print(f"| {r['mix']} | {r['P']} | {r['mode']} ({r['travel']}) | {r['pass']} | {r['split_docs']} / "
               f"{r['docs']} | {r['full_ms']:.2f} | {r['slowest_rank_ms']:.3f} | {r['efficiency']:.3f} | "
-              f"{r['flops_balance']:.3f} | {r['token_balance']:.3f} | {r['mib_per_hop']:.1f} |")
+              f"{r['mean_rank_ms']:.3f} | {r['flops_balance']:.3f} | {r['token_balance']:.3f} | "
+              f"{r['mib_per_hop']:.1f} | {r['key_rows'] / total:.2f} | {r['pieces']} |")
     if args.profile:
         print("\n| mix | P | mode | pass | ideal ms (one call / P) | wall ms | busy share | GPU ms by group |")
         print("|---|---|---|---|---|---|---|---|")

@@ -16,7 +16,8 @@ import ringfa4
 from ringfa4.kernels import get_backend
 from ringfa4.parallel import context as context_module
 from ringfa4.parallel import make_layout
-from ringfa4.parallel.dispatch import FLOP_BOUND, TOKEN_BOUND, balance_documents, piece_bounds, piece_pairs
+from ringfa4.parallel.dispatch import (FLOP_BOUND, TOKEN_BOUND, balance_documents, fill_placement, piece_bounds,
+                                      piece_pairs, zigzag_placement)
 from ringfa4.parallel.packing import Packing
 
 TILE = 8
@@ -61,18 +62,28 @@ def test_layout_invariants(P):
             assert all(s.travels == (s.local < n_travel) for s in segs), "travelling rows are a prefix"
             assert pack.rows(r) == pl.tokens[r] and pack.work(r) == pl.pairs[r]
         for doc in pl.split:
-            L, m = lengths[doc], pl.holders(doc)
-            assert 2 <= m <= P and pl.n_pieces[doc] == 2 * m
-            bounds = piece_bounds(L, 2 * m, TILE)
-            assert pl.bounds(doc, L) == bounds
-            held = sorted(j for r in range(P) for j in pl.pieces(doc, r))
-            assert held == list(range(2 * m)), "each piece on one rank, two a rank"
-            assert sum(1 for r in range(P) if pl.pieces(doc, r)) == m
-            last = max((j for j, (_, n) in enumerate(bounds) if n), default=0)
-            assert all(n % TILE == 0 for j, (_, n) in enumerate(bounds) if j < last), "tile-aligned but the last"
+            _check_pieces(pl, doc, lengths[doc], P)
         for doc, owner in enumerate(pl.owner):
             if owner >= 0 and lengths[doc]:
                 assert [s.doc for s in pack.segments(owner) if not s.travels].count(doc) == 1
+
+
+def _check_pieces(pl, doc: int, L: int, P: int) -> None:
+    """A split document's pieces tile it in order, each on one rank, every piece starting on a tile
+    and a tile multiple long but the last non-empty one; the zigzag candidates' pieces are
+    ``piece_bounds(L, 2m)``, two a rank."""
+    m, table = pl.holders(doc), pl.bounds(doc)
+    assert 2 <= m <= P
+    assert [a for a, _ in table] == [sum(n for _, n in table[:j]) for j in range(len(table))] and \
+        sum(n for _, n in table) == L, "the pieces tile the document in order"
+    held = sorted(j for r in range(P) for j in pl.pieces(doc, r))
+    assert held == list(range(len(table))), "each piece on exactly one rank"
+    assert all(list(pl.pieces(doc, r)) == sorted(pl.pieces(doc, r)) for r in range(P)), "position order"
+    last = max((j for j, (_, n) in enumerate(table) if n), default=0)
+    assert all(a % TILE == 0 for a, _ in table[:last + 1]), "pieces start on a tile"
+    assert all(n % TILE == 0 for _, n in table[:last]), "tile-aligned but the last"
+    if table == tuple(piece_bounds(L, 2 * m, TILE)):
+        assert all(len(pl.pieces(doc, r)) in (0, 2) for r in range(P)), "zigzag: two pieces a holder"
 
 
 @pytest.mark.parametrize("P", [4, 8])
@@ -117,6 +128,77 @@ def _fits_split_all_ways(lengths, docs, P):
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     _, tok, fl, _ = _place(order, list(lengths), {i: P for i in docs}, P, 128, means)
     return max(tok) <= TOKEN_BOUND * means[0] and max(fl) <= FLOP_BOUND * means[1]
+
+
+UNIFORM_64K = (14859, 7335, 13442, 15609, 7914, 1687, 4690)  # benchmarks/varlen_sim.py's 7 documents at 64k
+FILLED = [232, 114, 210, 244, 124, 26, 74]  # a small pack whose fill placement wins at P = 3, 4 (tile 8)
+
+
+def _is_fill(pl, lengths, P, tile) -> bool:
+    """Whether ``pl`` is not the zigzag candidate (unequal pieces)."""
+    zig, _ = zigzag_placement(list(lengths), P, tile)
+    return pl.split != zig.split or any(pl.bounds(d) != zig.bounds(d) for d in pl.split)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
+def test_fill_keeps_the_invariants(P):
+    """The fill candidate on its own, over random packs (kept or not): every token placed once, the
+    per-rank loads those of its pieces, the pieces tiling their documents on tiles."""
+    rnd = random.Random(P)
+    for seed in range(20):
+        lengths = _lengths(seed, P, n=6 + seed) if seed % 2 else [rnd.randint(0, 400) for _ in range(3 + seed)]
+        S, F = sum(lengths), sum(L * (L + 1) // 2 for L in lengths)
+        if S == 0:
+            continue
+        pl = fill_placement(lengths, P, TILE, (S / P, F / P))
+        assert sum(pl.tokens) == S and sum(pl.pairs) == F
+        tok, fl = [0] * P, [0] * P
+        for doc, L in enumerate(lengths):
+            if pl.owner[doc] >= 0:
+                tok[pl.owner[doc]] += L
+                fl[pl.owner[doc]] += piece_pairs(0, L)
+                continue
+            _check_pieces(pl, doc, L, P)
+            for r in range(P):
+                for j in pl.pieces(doc, r):
+                    a, n = pl.bounds(doc)[j]
+                    tok[r] += n
+                    fl[r] += piece_pairs(a, n)
+        assert tuple(tok) == pl.tokens and tuple(fl) == pl.pairs, (seed, lengths)
+
+
+@pytest.mark.parametrize("lengths", [UNIFORM_64K, TAIL_256K], ids=["uniform_64k", "tail_256k"])
+def test_fill_spreads_fewer_key_rows_on_the_benchmark_mixes(lengths):
+    """At P = 8 (tile 128) the solver keeps the fill placement: within the bounds, with at most half
+    the key rows of the best zigzag candidate (each holder needs its document's keys up to its
+    last piece), and fewer pieces."""
+    P = 8
+    pl = balance_documents(lengths, P, 128)
+    zig, ok = zigzag_placement(list(lengths), P, 128)
+    assert ok and _is_fill(pl, lengths, P, 128)
+    assert pl.token_balance() <= TOKEN_BOUND + 1e-9 and pl.flop_balance() <= FLOP_BOUND + 1e-9
+    assert pl.key_rows() <= 0.5 * zig.key_rows(), (pl.key_rows(), zig.key_rows())
+    assert sum(pl.n_pieces) < sum(zig.n_pieces)
+    for doc in pl.split:
+        _check_pieces(pl, doc, lengths[doc], P)
+
+
+@pytest.mark.parametrize("travel", ["ring", "allgather"])
+@pytest.mark.parametrize("P", [3, 4])
+@pytest.mark.parametrize("kw", MASKS[:3], ids=str)
+def test_fill_placement_float64(P, kw, travel, monkeypatch):
+    """A pack the fill placement wins (unequal pieces, one or two a holder): exact through the
+    ring and the all-gather."""
+    monkeypatch.setattr(context_module, "prefer_allgather", lambda *a: travel == "allgather")
+    cu = random_cu_seqlens(FILLED)
+    cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference")
+    pack = cp.pack(cu)
+    assert _is_fill(pack.packing.placement, FILLED, P, TILE)
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(sum(FILLED), n, 8, generator=g).double() for n in (4, 2, 2, 4))
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+    _check(_run(cp, q, k, v, do, cu, kw), ref, _base_errors(q, k, v, do, cu, kw, ref), torch.float64,
+           f"fill {travel} P={P} {kw}")
 
 
 def test_solver_is_deterministic_and_keeps_short_documents_whole():

@@ -1,14 +1,18 @@
 """Cost-balanced placement of packed documents on CP ranks (``cp.pack(cu_seqlens)``'s default).
 
 A document is either kept **whole** on one rank (it needs no communication at all: its attention
-is one varlen call against the rank's own K/V) or **split** over ``m`` ranks (2 <= m <= P): cut
-into ``2m`` pieces by :func:`piece_bounds` (multiples of the backend's ``tile``, only the last
-non-empty piece shorter), two a rank, paired so that every holder's pair costs about the same
-(zigzag, pieces ``j`` and ``2m-1-j``, for equal pieces): a long document costs each of its holders
-about the same (the dense path's causal balance). Only split documents' K/V travel (ring hops or
-the all-gather); a pack whose documents all stay whole moves nothing. Fewer holders mean bigger
-pieces and less spread: each holder needs its document's K/V up to its pieces and sends back
-gradients for them, ``m x L`` rows a document in all (the solver's tie-breaker, below).
+is one varlen call against the rank's own K/V) or **split** over ``m`` ranks (2 <= m <= P), cut
+into pieces on multiples of the backend's ``tile`` (only a document's last piece may be shorter).
+Only split documents' K/V travel (ring hops or the all-gather); a pack whose documents all stay
+whole moves nothing. Two kinds of candidates:
+
+- **zigzag**: ``2m`` equal pieces (:func:`piece_bounds`), two a holder, paired so that every
+  holder's pair costs about the same (pieces ``j`` and ``2m-1-j``): every holder of a document
+  gets the document's own mix of cheap and dear rows (the dense path's causal balance);
+- **fill** (:func:`fill_placement`): pieces of any tile-aligned size, sized to fill ranks: a
+  head and a tail of one document (a zigzag pair of unequal sizes), or the tail of one document
+  with the head of another, beside whole documents. A big document's holders then need not all
+  see its whole length: a holder needs the keys up to the end of its last piece.
 
 Cost model (per rank, the quantities the solver balances):
 
@@ -16,9 +20,13 @@ Cost model (per rank, the quantities the solver balances):
 - FLOPs: visible (query, key) pairs of causal attention, ``sum over its pieces of n (p + (n+1)/2)``
   for a piece of ``n`` tokens starting at position ``p`` of its document (a whole document of
   ``L`` tokens: ``L (L+1) / 2``); bidirectional attention doubles every rank's count alike, windows
-  are not modelled.
+  are not modelled;
+- spread (what it minimizes within the bounds; :meth:`DocPlacement.key_rows`): over the split
+  documents' holders, the key rows each needs (causal: up to the end of its last piece). The K/V a
+  holder gathers, the fp32 dK/dV it accumulates (one varlen backward's accumulator a call) and
+  sends back grow with it.
 
-With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means), the solver:
+With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means), the zigzag solver:
 
 1. sorts documents by length, longest first (ties: lower index first);
 2. places a candidate split: the split documents first, longest first, each one's pairs of
@@ -34,17 +42,24 @@ With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means), t
    1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling then bisection; and,
    where that splits anything, every document over ``m = ceil(c x max(L / T, pairs / F))`` ranks
    (at most P; whole where m = 1) for the first spread ``c`` of :data:`SPREADS` within the bounds;
-4. keeps, of the candidates within the bounds, the one with the least spread ``sum m x L`` (ties:
-   fewer split documents); if none is within them (tiny packs, tile rounding) the evaluated
-   placement with the smallest ``max(tokens / T, pairs / F)``.
+4. keeps, of the candidates within the bounds, the one with the least ``sum m x L`` (ties: fewer
+   split documents); if none is within them (tiny packs, tile rounding) the evaluated placement
+   with the smallest ``max(tokens / T, pairs / F)``.
 
-Pure integer work (and a float spread), the same on every rank given the same cu_seqlens (the
-cross-rank check compares those); 1.4 ms for 1,000 documents at P = 8 (``benchmarks/varlen_sim.py``
-times it).
+Where that splits a document and the pack has two documents or more, the fill candidate is built
+too and kept if it is within the same bounds and spreads fewer key rows (ties: fewer pieces), or
+if no zigzag candidate is within them. A lone document keeps the zigzag cut (the dense layout's,
+so it runs the dense ring).
+
+Pure integer work (and float ratios), the same on every rank given the same cu_seqlens (the
+cross-rank check compares those); 1.4-4 ms for 1,000 short documents at P = 8 (all whole: the
+fill is not built; ``benchmarks/varlen_sim.py`` times it), tens of ms for 1,000 documents of which
+one must be split.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 __all__ = ["DocPlacement", "balance_documents", "piece_bounds", "piece_pairs"]
@@ -73,9 +88,11 @@ class DocPlacement:
 
     owner: per document, the rank holding it whole, or -1 when it is split; world_size: P; tile:
     the split pieces' alignment; tokens / pairs: per rank, the rows and causal pairs this placement
-    gives (the balance reached); split_pieces: per document, per rank, the two pieces it holds of
-    the document's ``2m`` (``(j, 2m-1-j)`` for equal pieces; empty where the rank holds none, and
-    for whole documents); n_pieces: per document its ``2m`` (0 for whole ones).
+    gives (the balance reached); piece_table: per document the ``(start, size)`` of its pieces in
+    position order (empty for whole documents); split_pieces: per document, per rank, the indices
+    into ``piece_table[doc]`` of the pieces it holds, in position order (empty where it holds none,
+    and for whole documents). Zigzag candidates give every holder two pieces ``(j, 2m-1-j)`` of
+    ``2m`` equal ones; the fill candidate one or more pieces of any tile-aligned size.
     """
 
     owner: tuple[int, ...]
@@ -84,25 +101,42 @@ class DocPlacement:
     tokens: tuple[int, ...]
     pairs: tuple[int, ...]
     split_pieces: tuple[tuple[tuple[int, ...], ...], ...] = ()
-    n_pieces: tuple[int, ...] = ()
+    piece_table: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def pieces(self, doc: int, rank: int) -> tuple[int, ...]:
-        """The two pieces (indices into ``piece_bounds(L, n_pieces[doc], tile)``) that ``rank``
-        holds of split document ``doc``, in position order; ``()`` where it holds none."""
+        """The pieces (indices into :meth:`bounds`) that ``rank`` holds of split document ``doc``,
+        in position order; ``()`` where it holds none."""
         return self.split_pieces[doc][rank]
 
-    def bounds(self, doc: int, length: int) -> list[tuple[int, int]]:
-        """``(start, size)`` of split document ``doc``'s pieces (``length``: its tokens)."""
-        return piece_bounds(length, self.n_pieces[doc], self.tile)
+    def bounds(self, doc: int) -> tuple[tuple[int, int], ...]:
+        """``(start, size)`` of split document ``doc``'s pieces, in position order."""
+        return self.piece_table[doc]
+
+    @property
+    def n_pieces(self) -> tuple[int, ...]:
+        """Per document, how many pieces it is cut into (0 for whole ones)."""
+        return tuple(len(t) for t in self.piece_table)
 
     def holders(self, doc: int) -> int:
         """How many ranks hold pieces of ``doc`` (its ``m``; 1 for a whole document)."""
-        return self.n_pieces[doc] // 2 if self.owner[doc] < 0 else 1
+        return sum(1 for held in self.split_pieces[doc] if held) if self.owner[doc] < 0 else 1
 
     @property
     def split(self) -> tuple[int, ...]:
         """Indices of the split documents."""
         return tuple(i for i, o in enumerate(self.owner) if o < 0)
+
+    def key_rows(self) -> int:
+        """The spread the solver minimizes: over split documents and their holders, the key rows a
+        holder needs (causal: its document's keys up to the end of its last piece). The K/V a
+        holder gathers and the fp32 dK/dV it accumulates and sends back scale with it."""
+        total = 0
+        for doc in self.split:
+            table = self.piece_table[doc]
+            for held in self.split_pieces[doc]:
+                if held:
+                    total += table[held[-1]][0] + table[held[-1]][1]
+        return total
 
     def token_balance(self) -> float:
         """max / mean tokens per rank (1.0 for an empty pack)."""
@@ -199,13 +233,28 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
                       token_bound: float = TOKEN_BOUND, flop_bound: float = FLOP_BOUND) -> DocPlacement:
     """The placement of the module docstring for documents of ``doc_lengths`` tokens (zero
     allowed: a zero-length document is whole on rank 0 and holds nothing) over ``world_size``
-    ranks, split pieces multiples of ``tile``."""
+    ranks, split pieces multiples of ``tile``: the zigzag candidates' best, or the fill
+    candidate where that is within the bounds and spreads fewer key rows."""
     P, lengths = world_size, list(doc_lengths)
+    best, feasible = zigzag_placement(lengths, P, tile, token_bound, flop_bound)
+    if best.split and sum(1 for L in lengths if L > 0) >= 2:  # unequal pieces, where they spread less
+        means = (sum(lengths) / P, sum(L * (L + 1) // 2 for L in lengths) / P)
+        filled = fill_placement(lengths, P, tile, means)
+        if max(filled.tokens) <= token_bound * means[0] and max(filled.pairs) <= flop_bound * means[1] and (
+                not feasible or (filled.key_rows(), sum(filled.n_pieces)) < (best.key_rows(), sum(best.n_pieces))):
+            return filled
+    return best
+
+
+def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float = TOKEN_BOUND,
+                     flop_bound: float = FLOP_BOUND) -> tuple[DocPlacement, bool]:
+    """Steps 1-4 of the module docstring: the best zigzag candidate (equal pieces, two a holder)
+    and whether it is within the bounds."""
     S = sum(lengths)
     if P == 1 or S == 0:
         pairs = sum(L * (L + 1) // 2 for L in lengths)
         return DocPlacement((0,) * len(lengths), P, tile, (S,) + (0,) * (P - 1), (pairs,) + (0,) * (P - 1),
-                            ((),) * len(lengths), (0,) * len(lengths))
+                            ((),) * len(lengths), ((),) * len(lengths)), True
     means = (S / P, sum(L * (L + 1) // 2 for L in lengths) / P)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     order = [i for i in order if lengths[i] > 0] + [i for i in order if lengths[i] == 0]
@@ -244,6 +293,235 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
     feasible = [v for v in seen.values() if v[4] <= 1.0]
     owner, tok, fl, pieces_of, _, _, holders = (min(feasible, key=lambda v: (v[5], len(v[6]))) if feasible else
                                                 min(seen.values(), key=lambda v: (v[4], v[5])))
-    pairs = tuple(pieces_of.get(i, ()) for i in range(len(lengths)))
-    n_pieces = tuple(2 * holders.get(i, 0) for i in range(len(lengths)))
-    return DocPlacement(tuple(owner), P, tile, tuple(tok), tuple(fl), pairs, n_pieces)
+    table = tuple(tuple(piece_bounds(lengths[i], 2 * holders[i], tile)) if i in holders else ()
+                  for i in range(len(lengths)))
+    return DocPlacement(tuple(owner), P, tile, tuple(tok), tuple(fl),
+                        tuple(pieces_of.get(i, ()) for i in range(len(lengths))), table), bool(feasible)
+
+
+# -- the fill candidate: unequal pieces --------------------------------------------------------
+
+_TOKEN_SLACK, _PAIR_SLACK = 0.02, 0.01  # how far a whole piece of work may overshoot a rank's target (x T, x F)
+_SCAN = 8  # whole portions that fit, scored per choice (the longest ones)
+
+
+def _longest_first(portion: list[int]) -> tuple[int, int, int]:
+    return portion[1] - portion[2], portion[0], portion[1]
+
+
+def _span_pairs(a: int, b: int) -> int:
+    """Causal pairs of the query rows ``[a, b)`` of a document."""
+    return piece_pairs(a, b - a)
+
+
+def _up(x: int, tile: int) -> int:
+    return -(-x // tile) * tile
+
+
+def _down(x: int, tile: int) -> int:
+    return x // tile * tile
+
+
+class _Filler:
+    """State of :func:`fill_placement`: the unplaced *portions* ``[doc, a, b]`` (position ranges of
+    documents; longest first), per rank tokens / pairs, and the pieces placed ``(doc, rank, a, b)``.
+    Cuts sit on tile multiples of the document's positions, so every piece starts on one and only
+    pieces ending at their document's end may be shorter than a tile multiple."""
+
+    def __init__(self, lengths: list[int], P: int, tile: int, means: tuple[float, float]) -> None:
+        self.lengths, self.P, self.tile, self.T, self.F = lengths, P, tile, means[0], means[1]
+        self.portions = [[i, 0, L] for i, L in enumerate(lengths) if L > 0]
+        self._sort()
+        self.tok, self.fl = [0] * P, [0] * P
+        self.placed: list[tuple[int, int, int, int]] = []
+
+    def _sort(self) -> None:
+        self.portions.sort(key=_longest_first)
+
+    def _add(self, portion: list[int]) -> None:
+        bisect.insort(self.portions, portion, key=_longest_first)
+
+    def first_within(self, rows: float) -> int:
+        """Index of the first (longest) portion of at most ``rows`` tokens."""
+        lo, hi = 0, len(self.portions)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, a, b = self.portions[mid]
+            if b - a > rows:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def put(self, r: int, doc: int, a: int, b: int) -> None:
+        if b > a:
+            self.placed.append((doc, r, a, b))
+            self.tok[r] += b - a
+            self.fl[r] += _span_pairs(a, b)
+
+    def take(self, idx: int, r: int, cuts: list[tuple[int, int]]) -> None:
+        """Pieces ``cuts`` (ascending, inside portion ``idx``) to rank ``r``; the rest stays unplaced."""
+        doc, a, b = self.portions.pop(idx)
+        at = a
+        for x, y in cuts:
+            if x > at:
+                self._add([doc, at, x])
+            self.put(r, doc, x, y)
+            at = max(at, y)
+        if at < b:
+            self._add([doc, at, b])
+
+    def densest(self, rows: int, skip: int = -1) -> int:
+        """The most pairs ``rows`` query rows of one of the four longest portions give (its tail)."""
+        best = 0
+        for j, (_, a, b) in enumerate(self.portions[:4]):
+            if j != skip:
+                best = max(best, _span_pairs(max(a, b - rows), b))
+        return best
+
+    def whole(self, r: int, need: tuple[float, float], target: tuple[float, float]) -> int | None:
+        """The portion to place whole on rank ``r``: of the longest few that fit the need (with a
+        little slack), the one that keeps the rank's token and pair fractions closest among those
+        that leave a need the rest can still meet; None if none."""
+        dt, df = need
+        fits = []
+        for idx in range(self.first_within(dt + _TOKEN_SLACK * self.T), len(self.portions)):
+            _, a, b = self.portions[idx]
+            n, c = b - a, _span_pairs(a, b)
+            if c <= df + _PAIR_SLACK * self.F:
+                fits.append((abs((self.fl[r] + c) / target[1] - (self.tok[r] + n) / target[0]), idx, n, c))
+                if len(fits) >= _SCAN:
+                    break
+        for _, idx, n, c in sorted(fits):
+            rt, rf = dt - n, df - c
+            if rf < _PAIR_SLACK * self.F or (rt >= self.tile / 2 and rf <= self.densest(int(rt), idx)):
+                return idx
+            # else the rank would be left short of pairs nothing can give
+        return None
+
+    def head_tail(self, idx: int, rows: int, pairs: float) -> list[tuple[int, int]] | None:
+        """A head ``[a, a+n1)`` and a tail ``[b-n2, b)`` of portion ``idx`` with ``n1 + n2 = rows``
+        and about ``pairs`` causal pairs (the zigzag pair, sized to the need); None where the
+        portion is shorter or the pairs are out of its range."""
+        _, a, b = self.portions[idx]
+        if b - a < rows:
+            return None
+        f = lambda n2: _span_pairs(a, a + rows - n2) + _span_pairs(b - n2, b)  # noqa: E731 (rises with n2)
+        if not f(0) <= pairs <= f(rows):
+            return None
+        n2 = _bisect(f, 0, rows, pairs)
+        tail = min(b, max(a, _up(b - n2, self.tile)))
+        head = max(a, min(tail, _down(a + rows - (b - tail), self.tile)))
+        return [(a, b)] if head == tail else [(x, y) for x, y in ((a, head), (tail, b)) if y > x]
+
+    def two(self, rows: int, pairs: float) -> list[tuple[int, tuple[int, int]]] | None:
+        """The densest portion's tail and the sparsest portion's head filling ``(rows, pairs)``
+        together (where no single portion can): ``[(portion index, (x, y))]``, or None."""
+        n = len(self.portions)
+        if n < 2:
+            return None
+        few = sorted(set(range(min(n, _SCAN))) | set(range(max(0, n - _SCAN), n)))  # the longest and the shortest
+        dense = max(few, key=lambda i: (self.portions[i][2], -i))
+
+        def head_density(i: int) -> float:
+            _, a, b = self.portions[i]
+            n = min(b - a, rows)
+            return _span_pairs(a, a + n) / max(n, 1)
+
+        sparse = min((i for i in few if i != dense), key=lambda i: (head_density(i), i))
+        _, a_d, b_d = self.portions[dense]
+        _, a_s, b_s = self.portions[sparse]
+        lo, hi = max(0, rows - (b_s - a_s)), min(rows, b_d - a_d)
+        f = lambda n: _span_pairs(b_d - n, b_d) + _span_pairs(a_s, a_s + rows - n)  # noqa: E731 (rises with n)
+        if lo > hi or not f(lo) <= pairs <= f(hi):
+            return None
+        n = _bisect(f, lo, hi, pairs)
+        tail = min(b_d, max(a_d, _up(b_d - n, self.tile)))
+        head = a_s + rows - (b_d - tail)
+        head = b_s if head >= b_s else max(a_s, _down(head, self.tile))
+        return [(i, piece) for i, piece in ((dense, (tail, b_d)), (sparse, (a_s, head))) if piece[1] > piece[0]]
+
+    def one_end(self, need: tuple[float, float]) -> list[tuple[int, int]]:
+        """Of the longest portion, the end whose pairs come closest to the need: its head with at
+        most the pairs needed (the need is sparser) or its tail of the rows needed (denser)."""
+        _, a, b = self.portions[0]
+        rows = int(min(need[0], b - a))
+        if need[1] <= _span_pairs(a, a + rows):
+            n = _bisect(lambda x: _span_pairs(a, a + x), 0, rows, need[1] + 1) - 1
+            return [(a, min(b, max(a + self.tile, _down(a + n, self.tile))))]
+        start = _up(b - rows, self.tile)
+        return [(max(a, start if start < b else _down(b - 1, self.tile)), b)]
+
+    def rank(self, r: int, target: tuple[float, float]) -> None:
+        """Fill rank ``r`` towards ``target`` (tokens, pairs): whole portions while they fit, then
+        one cut that meets the need exactly where one can."""
+        while self.portions:
+            need = (target[0] - self.tok[r], target[1] - self.fl[r])
+            if need[0] < self.tile / 2 or need[1] < 0.005 * target[1]:
+                return
+            idx = self.whole(r, need, target)
+            if idx is not None:
+                _, a, b = self.portions[idx]
+                self.take(idx, r, [(a, b)])
+                continue
+            rows = int(need[0])
+            if rows < 1:  # under one token to give (a tile of 1)
+                return
+            for idx in range(self.first_within(rows - 1)):  # the portions of at least ``rows`` tokens
+                cuts = self.head_tail(idx, rows, need[1])
+                if cuts is not None:
+                    self.take(idx, r, cuts)
+                    return
+            pair = self.two(rows, need[1])
+            if pair is not None:
+                for idx, piece in sorted(pair, reverse=True):  # the later index first: pops keep the other
+                    self.take(idx, r, [piece])
+                return
+            self.take(0, r, self.one_end(need))
+
+
+def _bisect(f, lo: int, hi: int, value: float) -> int:
+    """The least ``n`` in ``[lo, hi]`` with ``f(n) >= value`` for ``f`` non-decreasing (``hi`` if none)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if f(mid) < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def fill_placement(lengths: list[int], P: int, tile: int, means: tuple[float, float]) -> DocPlacement:
+    """The fill candidate: ranks filled one after another towards the remaining tokens and pairs
+    per rank, each with whole documents (or the unplaced rest of one) while they fit, then the
+    piece(s) that meet its need: a head and a tail of one document (a zigzag pair of unequal
+    sizes), or the tail of the densest rest and the head of the sparsest; the last rank takes what
+    is left. Adjacent pieces on one rank merge; a document all on one rank is whole there."""
+    fill = _Filler(lengths, P, tile, means)
+    left = [sum(lengths), sum(L * (L + 1) // 2 for L in lengths)]
+    for r in range(P - 1):
+        fill.rank(r, (left[0] / (P - r), left[1] / (P - r)))
+        left[0] -= fill.tok[r]
+        left[1] -= fill.fl[r]
+    for doc, a, b in list(fill.portions):
+        fill.put(P - 1, doc, a, b)
+    by_doc: dict[int, list[tuple[int, int, int]]] = {}
+    for doc, r, a, b in fill.placed:
+        by_doc.setdefault(doc, []).append((a, b, r))
+    owner = [0] * len(lengths)
+    table: list[tuple[tuple[int, int], ...]] = [()] * len(lengths)
+    held: list[tuple[tuple[int, ...], ...]] = [()] * len(lengths)
+    for doc, pieces in by_doc.items():
+        merged: list[list[int]] = []
+        for a, b, r in sorted(pieces):
+            if merged and merged[-1][1] == a and merged[-1][2] == r:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b, r])
+        if len({r for _, _, r in merged}) == 1:
+            owner[doc] = merged[0][2]
+            continue
+        owner[doc] = -1
+        table[doc] = tuple((a, b - a) for a, b, _ in merged)
+        held[doc] = tuple(tuple(j for j, (_, _, r) in enumerate(merged) if r == rank) for rank in range(P))
+    return DocPlacement(tuple(owner), P, tile, tuple(fill.tok), tuple(fill.fl), tuple(held), tuple(table))

@@ -4,16 +4,17 @@ A packed batch is ``(total, h, d)`` with global int32 ``cu_seqlens`` (documents 
 zero allowed). Two placements:
 
 - **balanced** (``cp.pack``'s default; :mod:`ringfa4.parallel.dispatch`): documents short enough
-  stay whole on one rank, longer ones are cut into 2m tile-aligned pieces over the m ranks they
-  need (m <= P), two a rank, so that every rank holds about the same tokens and causal FLOPs.
+  stay whole on one rank, longer ones are cut into tile-aligned pieces over the m ranks they need
+  (m <= P; a zigzag pair of equal pieces a holder, or pieces sized to fill ranks), so that every
+  rank holds about the same tokens and causal FLOPs.
   Only the split documents' tokens *travel* (ring hops or the all-gather);
 - **per document** (modes "ring" / "allgather"): every document cut into the layout's chunks
   (zigzag: 2P, rank r holds chunks r and 2P-1-r; contiguous: P) whose lengths differ by at most
   one token; every token travels.
 
 A rank's local tokens are *part-major*: first its first piece of every travelling document it
-holds pieces of (in document order), then its second piece of every one, then its whole documents (in document
-order). The travelling tokens are a prefix of the local rows (``travel_rows``), and every
+holds pieces of (in document order), then its second piece of every one that has one, and so on,
+then its whole documents (in document order). The travelling tokens are a prefix of the local rows (``travel_rows``), and every
 (q part, kv part) pair of a ring step tiles contiguous local ranges, so one varlen call covers
 all documents.
 
@@ -187,11 +188,12 @@ class Packing:
             return
         pl = self.placement
         split = pl.split
-        for part in range(2):
+        parts = max((len(pl.pieces(doc, rank)) for doc in split), default=0)
+        for part in range(parts):
             for doc in split:
                 held = pl.pieces(doc, rank)
-                if held:
-                    yield (part, doc, *pl.bounds(doc, self.doc_lengths[doc])[held[part]])
+                if part < len(held):
+                    yield (part, doc, *pl.bounds(doc)[held[part]])
         for doc, owner in enumerate(pl.owner):
             if owner == rank:
                 yield Segment.WHOLE, doc, 0, self.doc_lengths[doc]
