@@ -16,8 +16,15 @@ import ringfa4
 from ringfa4.kernels import get_backend
 from ringfa4.parallel import context as context_module
 from ringfa4.parallel import make_layout
-from ringfa4.parallel.dispatch import (FLOP_BOUND, TOKEN_BOUND, balance_documents, fill_placement, piece_bounds,
-                                      piece_pairs, zigzag_placement)
+from ringfa4.parallel.dispatch import (
+    FLOP_BOUND,
+    TOKEN_BOUND,
+    balance_documents,
+    fill_placement,
+    piece_bounds,
+    piece_pairs,
+    zigzag_placement,
+)
 from ringfa4.parallel.packing import Packing
 
 TILE = 8
@@ -165,6 +172,18 @@ def test_fill_keeps_the_invariants(P):
                     tok[r] += n
                     fl[r] += piece_pairs(a, n)
         assert tuple(tok) == pl.tokens and tuple(fl) == pl.pairs, (seed, lengths)
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_fill_tiny_packs_with_a_tile_of_one(P):
+    """Packs of a few tokens with tile 1 (the reference backend's smallest cut): a rank whose need
+    is under one token takes nothing more (it divided by zero once: lengths [1, 1] at P = 3)."""
+    for lengths in ([1, 1], [1, 2], [3, 1, 1], [2, 0, 5], [1] * 7):
+        S, F = sum(lengths), sum(L * (L + 1) // 2 for L in lengths)
+        pl = fill_placement(lengths, P, 1, (S / P, F / P))
+        assert sum(pl.tokens) == S and sum(pl.pairs) == F, lengths
+        pl = balance_documents(tuple(lengths), P, 1)
+        assert sum(pl.tokens) == S and sum(pl.pairs) == F, lengths
 
 
 @pytest.mark.parametrize("lengths", [UNIFORM_64K, TAIL_256K], ids=["uniform_64k", "tail_256k"])

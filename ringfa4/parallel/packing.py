@@ -14,9 +14,9 @@ zero allowed). Two placements:
 
 A rank's local tokens are *part-major*: first its first piece of every travelling document it
 holds pieces of (in document order), then its second piece of every one that has one, and so on,
-then its whole documents (in document order). The travelling tokens are a prefix of the local rows (``travel_rows``), and every
-(q part, kv part) pair of a ring step tiles contiguous local ranges, so one varlen call covers
-all documents.
+then its whole documents (in document order). The travelling tokens are a prefix of the local rows
+(``travel_rows``), and every (q part, kv part) pair of a ring step tiles contiguous local
+ranges, so one varlen call covers all documents.
 
     pack = cp.pack(cu_seqlens)                  # or cp.pack_from_position_ids(position_ids)
     x_local = pack.shard(x, dim=0); pos = pack.positions(); x = pack.unshard(x_local, dim=0)
