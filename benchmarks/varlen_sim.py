@@ -67,24 +67,24 @@ def mix_lengths(name: str, seed: int = 0) -> list[int]:
 
 class _OneRank(LoopbackTransport):
     """The transport of one simulated rank run alone: a hop copies its own buffer (the bytes a
-    real rank receives); the all-gather returns P copies of its buffer; the reduce-scatter its
-    first slice."""
+    real rank receives); an exchange writes as many bytes as the rank receives, copied from its
+    own send buffer (stale contents: timing only), in the rank's own stream order."""
 
     def __init__(self, world_size: int) -> None:
         super().__init__()
         self.world_size = world_size
 
-    def all_gather(self, bufs):
-        return [torch.cat([bufs[0]] * self.world_size)]
-
-    def reduce_scatter(self, fulls):
-        return [fulls[0].view(self.world_size, -1)[0].clone()]
-
-    def all_gather_start(self, bufs):  # in the rank's own stream order: its kernels, timed
-        return Pending(self.all_gather(bufs))
-
-    def reduce_scatter_start(self, fulls):
-        return Pending(self.reduce_scatter(fulls))
+    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
+        (src,), n = sends, sum(recv_sizes[0])
+        out = src.new_empty(n)
+        at = 0
+        while at < n and src.numel():
+            m = min(src.numel(), n - at)
+            out[at:at + m].copy_(src[:m])
+            at += m
+        if at < n:
+            out[at:].zero_()
+        return Pending([out])
 
 
 def _rank_step(run, fwd, bwd, backward: bool):

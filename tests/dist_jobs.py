@@ -161,20 +161,21 @@ def auto_plan(domain, heads, kv):
             "err": (full - ref).abs().max().item()}
 
 
-def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2, tile=1, pipeline_pairs=None):
+def packed_case(layout, dtype, lengths, kw, seed, mode="ring", ulysses=1, h_kv=2, tile=1, rule=None):
     """Packed documents through the distributed ring; full results and bit identity with the
     simulated executor (``tile``: the layout's, so the balanced placement cuts documents;
-    ``pipeline_pairs``: the all-gather's group threshold in this worker for this case, 0 forcing
-    two groups)."""
+    ``rule``: constants of ``ringfa4.parallel.allgather`` set in this worker for this case, e.g.
+    ``{"PIPELINE_PAIRS": 0}`` forcing two gather groups, ``{"HELD_SHARE": 0}`` the ring)."""
     from ringfa4.parallel import allgather
 
-    kept_pairs = allgather.PIPELINE_PAIRS
-    if pipeline_pairs is not None:
-        allgather.PIPELINE_PAIRS = pipeline_pairs
+    kept = {name: getattr(allgather, name) for name in rule or {}}
+    for name, value in (rule or {}).items():
+        setattr(allgather, name, value)
     try:
         return _packed_case(layout, dtype, lengths, kw, seed, mode, ulysses, h_kv, tile)
     finally:  # the pool's workers run other cases after this one
-        allgather.PIPELINE_PAIRS = kept_pairs
+        for name, value in kept.items():
+            setattr(allgather, name, value)
 
 
 def _packed_case(layout, dtype, lengths, kw, seed, mode, ulysses, h_kv, tile):

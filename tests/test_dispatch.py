@@ -14,6 +14,7 @@ from test_packing import FLOOR, _base_errors, _check
 
 import ringfa4
 from ringfa4.kernels import get_backend
+from ringfa4.parallel import allgather as allgather_module
 from ringfa4.parallel import context as context_module
 from ringfa4.parallel import make_layout
 from ringfa4.parallel.dispatch import (
@@ -230,7 +231,7 @@ def test_solver_is_deterministic_and_keeps_short_documents_whole():
 
 
 def test_whole_documents_move_nothing(monkeypatch):
-    """P documents of at most S / P tokens: every one whole on its own rank; no hop and no all-gather
+    """P documents of at most S / P tokens: every one whole on its own rank; no hop and no exchange
     byte, forward or backward, and the result exact."""
     P = 4
     lengths = [37] * P
@@ -241,13 +242,48 @@ def test_whole_documents_move_nothing(monkeypatch):
     moved = []
     t = cp.transport
     monkeypatch.setattr(t, "shift", lambda send, recv, off: moved.append(sum(x.numel() for x in send)) or None)
-    monkeypatch.setattr(t, "all_gather", lambda bufs: moved.append(sum(x.numel() for x in bufs)) or bufs)
+    monkeypatch.setattr(t, "exchange_start", lambda sends, *a, **kw: moved.append(sum(x.numel() for x in sends)))
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2, 2, 4))
     got = _run(cp, q, k, v, do, cu, {"causal": True})
     assert moved == [], f"a pack of whole documents moved {moved}"
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, "whole documents")
+
+
+@pytest.mark.parametrize("P", [3, 4])
+def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
+    """The all-gather mode's exchange over a fill placement: what each rank receives is, per split
+    document it holds pieces of, that document's keys up to the end of its last piece (causal), so
+    the rows received over all ranks are the placement's key rows; every byte sent is received and
+    every chunk is what its receiver expects; and the result stays exact."""
+    monkeypatch.setattr(context_module, "prefer_allgather", lambda *a: True)
+    cu = random_cu_seqlens(FILLED)
+    cp = ringfa4.ContextParallel.simulated(P, layout=_layout(P), backend="reference")
+    pack = cp.pack(cu)
+    placement = pack.packing.placement
+    assert _is_fill(placement, FILLED, P, TILE)
+    t, seen = cp.transport, []
+    real = t.exchange_start
+
+    def watch(sends, send_sizes, recv_sizes, what="an exchange"):
+        assert [list(r) for r in recv_sizes] == [[s[j] for s in send_sizes] for j in range(P)], what
+        assert [x.numel() for x in sends] == [sum(s) for s in send_sizes], what
+        seen.append((what, [sum(r) for r in recv_sizes]))
+        return real(sends, send_sizes, recv_sizes, what)
+    monkeypatch.setattr(t, "exchange_start", watch)
+    g = torch.Generator().manual_seed(P)
+    q, k, v, do = (torch.randn(sum(FILLED), n, 8, generator=g).double() for n in (4, 2, 2, 4))
+    got = _run(cp, q, k, v, do, cu, {"causal": True})
+    width = 2 * 2 * 8  # a [k | v] row: 2 kv heads x d = 8, twice
+    kv = [rows for what, rows in seen if what == "the K/V exchange"]
+    assert kv and all(rows == kv[0] for rows in kv), "the forward and the backward exchange the same rows"
+    assert sum(kv[0]) == placement.key_rows() * width, (sum(kv[0]) // width, placement.key_rows())
+    back = [rows for what, rows in seen if what == "the dK/dV exchange"]
+    sched = pack.packing.schedule(context_module.AllGatherSchedule, True, (None, None))
+    assert back == [[sum(sched.send_rows(r, 0)) * width for r in range(P)]]
+    ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 
 
 def test_describe_reports_the_balance():
@@ -308,17 +344,21 @@ def test_balanced_float32_accumulates_like_one_call():
                                                                                          {"window": (9, 6)})]
                          + [(2, {"causal": True}, [8200, 5, 300, 17, 0, 1]), (3, {"causal": True}, [0, 480])],
                          ids=str)
-def test_gloo_balanced(pools, world, kw, lengths):
-    """Short packs take the all-gather for their split documents; the 8200-token document takes the
-    ring (bit-identical to the simulated executor); the lone 480-token document the dense ring."""
+def test_gloo_balanced(pools, world, kw, lengths, monkeypatch):
+    """Short packs take the all-gather (its exchange) for their split documents; the 8200-token
+    document, with the rule's held-rows bound set to 0 (here and in the workers), the ring
+    (bit-identical to the simulated executor); the lone 480-token document the dense ring."""
     lengths = lengths or _lengths(world * 5 + len(kw), world)
-    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "balanced", 1, 2, TILE)
+    rule = {"HELD_SHARE": 0} if sum(lengths) > 8000 else None
+    if rule:
+        monkeypatch.setattr(allgather_module, "HELD_SHARE", 0)
+    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "balanced", 1, 2, TILE, rule)
     assert all(status == "ok" for status, _ in res), res
     cu = random_cu_seqlens(lengths)
     sim = ringfa4.ContextParallel.simulated(world, layout=_layout(world), backend="reference")
     ring = not sim.pack(cu).uses_allgather(4, 2)
     assert ring == (sum(lengths) > 8000)
-    if ring:  # the all-gather's reduce-scatter sums in its own order: equal to rounding only
+    if ring:  # the exchange's returned gradients add in their own order: equal to rounding only
         assert all(value["identical"] for _, value in res), "distributed and simulated balanced runs differ"
     g = torch.Generator().manual_seed(world)
     q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2, 2, 4))

@@ -243,11 +243,12 @@ def test_gloo_packed(pools, world, layout, kw, mode):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gloo_allgather_in_two_groups(pools, world):
     """Real ranks (gloo): the all-gather mode's two gather groups (forced in the workers), each
-    group's all-gather posted while the last one computes and its reduce-scatter while the next
+    group's K/V exchange posted while the last one computes and its dK/dV exchange while the next
     one does, exact against float64."""
     lengths = [0, 23, 1, max(1, world - 1), 31, 2 * world + 1, 17, 0, 40, 9]
     kw = {"causal": True}
-    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "allgather", 1, 2, 1, 0)
+    res = pools(world).run("packed_case", "zigzag", torch.float64, lengths, kw, world, "allgather", 1, 2, 1,
+                           {"PIPELINE_PAIRS": 0})
     assert all(status == "ok" for status, _ in res), res
     assert all(value["groups"] == 2 for _, value in res)
     cu = random_cu_seqlens(lengths)
@@ -266,7 +267,7 @@ def test_gloo_packed_bad_input(pools, kind, message):
 
 
 def test_auto_mode_rule():
-    from ringfa4.parallel.allgather import prefer_allgather
+    from ringfa4.parallel.allgather import HELD_SHARE, held_rows, prefer_allgather
 
     short_cu = [0] + [64 * (i + 1) for i in range(64)]  # 64 docs of 64
     short = Packing(short_cu, make_layout("zigzag", 8))
@@ -285,13 +286,18 @@ def test_auto_mode_rule():
     balanced = cp.pack(torch.tensor(bench_cu, dtype=torch.int32), mode="balanced")
     assert balanced.packing.split_docs() and balanced.uses_allgather(32, 8)
     assert not cp.pack(torch.tensor([0, 65536], dtype=torch.int32)).uses_allgather(32, 8)
-    # long documents (l >= 4096 x 8): the all-gather where its two gather groups pipeline (no group
-    # over 3/4 of the travelling tokens), the ring where one document dominates
-    even = Packing([0, 60000, 110000, 160000, 200000], make_layout("zigzag", 8))
+    # long documents (l >= 4096 x 8): the all-gather (exchange) where no rank would hold more than
+    # 4 x S / P received rows of one group, the ring where one document dominates
+    even = Packing([0, 60000, 110000, 160000, 200000], make_layout("zigzag", 8, tile=128), balanced=True)
     assert even.split_docs() == (0, 1, 2, 3) and even.gather_groups(2) == ((0, 1), (2, 3))
-    assert prefer_allgather(even, 32, 8)
+    assert held_rows(even) * 8 <= HELD_SHARE * 200000 and prefer_allgather(even, 32, 8)
     lone = Packing([0, 200000, 210000, 225000], make_layout("zigzag", 8))
-    assert len(lone.gather_groups(2)) == 2 and not prefer_allgather(lone, 32, 8)
+    assert held_rows(lone) * 8 > HELD_SHARE * 225000 and not prefer_allgather(lone, 32, 8)
+    lengths = (24830, 14478, 1764, 643, 3107, 1600, 17011, 849, 2502, 4872, 36943, 2982, 742, 14285, 6060, 610,
+               37321, 58862, 20058, 12625)  # benchmarks/varlen_sim.py's long tail (measured: all-gather ahead)
+    tail = Packing([sum(lengths[:i]) for i in range(len(lengths) + 1)], make_layout("zigzag", 8, tile=128),
+                   balanced=True)
+    assert len(tail.split_docs()) == 4 and prefer_allgather(tail, 32, 8)
     with pytest.raises(ValueError, match="mode must be"):
         cp.pack(torch.tensor(short_cu, dtype=torch.int32), mode="fast")
 

@@ -1,14 +1,22 @@
-"""All-gather-KV mode: the travelling documents' K/V gathered by all-gathers instead of P-1 ring
-hops, then each rank attends its local q to whole documents; dK/dV come back to their owners
-by reduce-scatters.
+"""All-gather-KV mode: the travelling documents' K/V gathered in one collective instead of P-1
+ring hops, then each rank attends its local q to whole documents; dK/dV come back to their owners
+the same way.
+
+The collective is an *exchange* (an all-to-all of uneven chunks, :meth:`Transport.exchange_start`):
+every rank sends every rank only the pieces that rank's rows see (:meth:`AllGatherSchedule.needs`:
+under the causal mask a document's keys up to the end of its last piece there), not the whole pack
+to everyone. With the balanced placement a split document lives on few ranks, so a rank receives
+and holds about the key rows of the placement's spread (``DocPlacement.key_rows``), not P times
+the largest rank's travelling rows: 2-4x fewer bytes and less memory on the benchmark's packs at
+P = 8. The backward returns the fp32 dK/dV of exactly those rows along the reversed exchange.
 
 Every local row is then in exactly one call (its document's keys up to it), so the forward writes
 the final output directly (no fp32 partials, no merge: one varlen call's numerics) and each
 row's dq comes from one call. The travelling documents go in (at most) ``GATHER_GROUPS`` groups
 of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`; one group where a rank's
 share is small: :func:`gather_group_count`): group ``g + 1``'s
-all-gather is in flight while group ``g`` computes (the rank's whole documents compute while the
-first group arrives), and in the backward each group's reduce-scatter is posted once its blocks
+exchange is in flight while group ``g`` computes (the rank's whole documents compute while the
+first group arrives), and in the backward each group's return exchange is posted once its blocks
 are queued, so it overlaps the next group; at most two groups' K/V are held at once.
 
 The rule (``mode="auto"`` in ``cp.pack``), over the travelling documents: per token, a ring step
@@ -18,11 +26,15 @@ Below that: all-gather. Second, on the compute side: the ring makes about two va
 on chunks of l / 2P tokens, each with fp32 partials and a merge; measured on the H200
 (benchmarks/varlen_sim.py, 7 documents of 1k-16k tokens, l ~ 10k, h = 32 / 8) the ring reached
 0.58 / 0.53 (fwd / fwd+bwd efficiency) at P = 4 and 0.25 / 0.40 at P = 8, so all-gather also when
-l < 4096 P. Third, above that: the all-gather still computes less (one call a row; the long-tail
-mix at P = 8: 0.90 / 0.86 against the ring's 0.74 / 0.70), and with its groups pipelined its
-collectives hide like the ring's hops, so all-gather wherever there are two groups and none holds
-more than 3/4 of the travelling tokens (one dominant document keeps the ring: its gather could not
-overlap, and would hold all of its K/V at once). ``mode="ring"`` or ``"allgather"`` overrides the
+l < 4096 P. Third, above that: the exchange still computes less (one call a row) and moves
+less (each rank only the keys its rows see, where every ring hop carries every travelling
+document): the long-tail mix at P = 8 (20 documents of 128-64k, 4 split) measured 0.92 / 0.92
+against the ring's 0.78-0.80 / 0.85 over two device calls. What the ring keeps is memory: it holds
+two K/V buffers of one rank's rows, where the exchange holds each rank's received keys of a group
+at once. So the all-gather mode wherever no rank would hold more than ``HELD_SHARE`` (4) times
+its share S / P of rows in one group (:func:`held_rows`), and the ring beyond (one dominant
+document, such as 200k tokens beside 25k of others at P = 8: its last pieces' holder would receive
+nearly all of it). ``mode="ring"`` or ``"allgather"`` overrides the
 rule.
 """
 
@@ -59,6 +71,23 @@ def gather_group_count(pack: Packing) -> int:
     return GATHER_GROUPS if pairs >= PIPELINE_PAIRS * pack.world_size else 1
 
 
+HELD_SHARE = 4  # the exchange holds at most this many times a rank's share of rows (S / P) of one group's K/V
+
+
+def held_rows(pack: Packing) -> int:
+    """The most K/V rows one rank receives in one group's exchange under the causal mask: over
+    the group's documents it holds pieces of, each one's keys up to the end of its last piece."""
+    groups = pack.gather_groups(gather_group_count(pack))
+    most = 0
+    for r in range(pack.world_size):
+        ends: dict[int, int] = {}
+        for s in pack.segments(r):
+            if s.travels:
+                ends[s.doc] = max(ends.get(s.doc, 0), s.pos + s.length)
+        most = max([most] + [sum(ends.get(d, 0) for d in g) for g in groups])
+    return most
+
+
 def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
     """The documented rule of the module docstring, over the documents whose K/V travel (a
     balanced pack's split documents; all of them per document). Nothing travels: the ring, which
@@ -70,9 +99,7 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
     P = pack.world_size
     if mean_len < max(2000 * P * num_kv_heads / num_heads, 4096 * P):
         return True
-    groups = pack.gather_groups(gather_group_count(pack))
-    largest = max(sum(pack.doc_lengths[d] for d in g) for g in groups)
-    return len(groups) >= 2 and 4 * largest <= 3 * sum(lengths)
+    return held_rows(pack) * P <= HELD_SHARE * sum(pack.doc_lengths)
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,9 +107,9 @@ class AllGatherSchedule(PackSchedule):
     """Blocks of ``rank``'s q against whole documents: a balanced pack's whole documents from the
     rank's own K/V (:meth:`home_calls`), the travelling (split) documents group by group
     (:meth:`Packing.gather_groups`) from that group's gathered K/V (:meth:`group_calls`,
-    :class:`GatheredCall`: key positions in the documents' order, read from the gathered rows).
-    Group ``g``'s gathered buffers hold, rank-major, every rank's pieces of the group's documents
-    (in local order), ``group_cap(g)`` rows a rank."""
+    :class:`GatheredCall`: key positions in the documents' order, read from the received rows).
+    What group ``g``'s exchange delivers to a rank: source-major, each source's pieces of the
+    group's documents that the rank needs (:meth:`sent`), in the source's local order."""
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -99,40 +126,68 @@ class AllGatherSchedule(PackSchedule):
         return tuple(s for s in self.pack.segments(rank) if s.travels and s.doc in docs)
 
     @cached_method
-    def group_rows(self, rank: int, g: int) -> int:
-        return sum(s.length for s in self.group_segments(rank, g))
+    def needs(self, rank: int) -> dict[int, tuple[int, int]]:
+        """Per travelling document ``rank`` holds pieces of, the key positions ``[lo, hi)`` its
+        pieces see under the mask (causal: from the document's start, or the window's, to the end
+        of its last piece; bidirectional: the whole document)."""
+        lo, hi = global_band(self.causal, self.window)
+        out: dict[int, tuple[int, int]] = {}
+        for s in self.pack.segments(rank):
+            b = band_block((s.local, s.pos, s.length), (0, 0, self.pack.doc_lengths[s.doc]), lo, hi) \
+                if s.travels else None
+            if b is not None:
+                a, z = out.get(s.doc, (b.k0, b.k1))
+                out[s.doc] = (min(a, b.k0), max(z, b.k1))
+        return out
 
     @cached_method
-    def group_cap(self, g: int) -> int:
-        """Rows a rank contributes to group ``g``'s gather (the largest rank's)."""
-        return max(self.group_rows(r, g) for r in range(self.world_size))
+    def sent(self, g: int, src: int, dst: int) -> tuple:
+        """``src``'s segments of group ``g``'s documents that ``dst`` needs (overlapping a key range
+        of :meth:`needs`; ``src == dst`` included), in ``src``'s local order."""
+        need = self.needs(dst)
+        out = []
+        for s in self.group_segments(src, g):
+            r = need.get(s.doc)
+            if r is not None and s.pos < r[1] and s.pos + s.length > r[0]:
+                out.append(s)
+        return tuple(out)
 
     @cached_method
-    def group_index(self, rank: int, g: int, device: torch.device) -> torch.Tensor:
-        """int64 local rows of :meth:`group_segments` (what ``rank`` sends, in order)."""
-        segs = self.group_segments(rank, g)
+    def send_rows(self, rank: int, g: int) -> tuple[int, ...]:
+        """Rows ``rank`` sends each rank (rank order) in group ``g``'s exchange."""
+        return tuple(sum(s.length for s in self.sent(g, rank, dst)) for dst in range(self.world_size))
+
+    @cached_method
+    def recv_rows(self, rank: int, g: int) -> tuple[int, ...]:
+        """Rows ``rank`` receives from each rank (rank order) in group ``g``'s exchange."""
+        return tuple(sum(s.length for s in self.sent(g, src, rank)) for src in range(self.world_size))
+
+    @cached_method
+    def send_index(self, rank: int, g: int, device: torch.device) -> torch.Tensor:
+        """int64 local rows ``rank`` sends in group ``g``'s exchange, destination by destination
+        (a row sent to several ranks appears once for each: their dK/dV come back and add)."""
+        segs = [s for dst in range(self.world_size) for s in self.sent(g, rank, dst)]
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
         return torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(device)
 
     @cached_method
-    def _doc_pieces(self, g: int) -> dict[int, list[tuple[int, int, int]]]:
-        """Per document of group ``g`` its pieces in document order: (pos, length, gathered row),
-        the row being ``rank * 2 * cap + offset`` (:func:`gathered_rows`: the rank-major ``[k | v]``
-        buffers of ``cap`` rows each, viewed as rows)."""
+    def _doc_pieces(self, rank: int, g: int) -> dict[int, list[tuple[int, int, int]]]:
+        """Per document of group ``g`` that ``rank`` needs, the pieces it receives in document
+        order: (pos, length, row of its receive buffer; source-major, each source's rows in the
+        source's local order)."""
         out: dict[int, list] = {}
-        two_cap = 2 * self.group_cap(g)
-        for r in range(self.world_size):
-            at = 0
-            for s in self.group_segments(r, g):
-                out.setdefault(s.doc, []).append((s.pos, s.length, r * two_cap + at))
+        at = 0
+        for src in range(self.world_size):
+            for s in self.sent(g, src, rank):
+                out.setdefault(s.doc, []).append((s.pos, s.length, at))
                 at += s.length
         return {doc: sorted(p) for doc, p in out.items()}
 
-    def _runs(self, g: int, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
-        """Document ``doc``'s key positions ``[a, b)`` as runs (gathered row, length)."""
+    def _runs(self, rank: int, g: int, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
+        """Document ``doc``'s key positions ``[a, b)`` as runs (received row, length)."""
         runs = []
-        for pos, n, row in self._doc_pieces(g)[doc]:
+        for pos, n, row in self._doc_pieces(rank, g)[doc]:
             lo, hi = max(a, pos), min(b, pos + n)
             if lo < hi:
                 runs.append((row + lo - pos, hi - lo))
@@ -163,7 +218,8 @@ class AllGatherSchedule(PackSchedule):
         for key, got in sorted(groups.items(), key=str):
             doc_of = {pair[:2]: doc for pair, doc in got}
             for run in q_runs([pair for pair, _ in got]):
-                out.append(GatheredCall(run, *key, False, tuple(self._runs(g, doc_of[p[:2]], p[2], p[3]) for p in run)))
+                out.append(GatheredCall(run, *key, False,
+                                        tuple(self._runs(rank, g, doc_of[p[:2]], p[2], p[3]) for p in run)))
         return tuple(out)
 
     @cached_method
@@ -175,12 +231,11 @@ class AllGatherSchedule(PackSchedule):
 @dataclass(frozen=True)
 class GatheredCall(VarlenCall):
     """A call of travelling documents: its key rows (``pairs``' k ranges are key positions in
-    each pair's document) read from one gather group's buffers' rows, where a document's pieces
-    sit rank-major: ``k_runs`` holds, per pair, its (gathered row, length) runs. The held K is the
-    rows view of the gathered buffers and the held V the same view ``cap`` rows on
-    (:func:`gathered_rows`), so one index serves both and the keys are gathered once a call,
-    straight from what the all-gather received; dK/dV go back by the same index into the
-    group's reduce-scatter buffer (:class:`~ringfa4.kernels.spec.RowsAt`)."""
+    each pair's document) read from the rows one group's exchange delivered (source-major):
+    ``k_runs`` holds, per pair, its (received row, length) runs. Each received row is ``[k | v]``
+    (:func:`kv_views`), so the held K and V are two strided views of one buffer, one index serves
+    both and the keys are gathered once a call, straight from what arrived; dK/dV go back by the
+    same index into the group's return buffer, laid out alike (:class:`~ringfa4.kernels.spec.RowsAt`)."""
 
     k_runs: tuple[tuple[tuple[int, int], ...], ...] = ()
     k_contiguous: ClassVar[bool] = False
@@ -189,69 +244,55 @@ class GatheredCall(VarlenCall):
         return torch.cat([torch.arange(row, row + n) for runs in self.k_runs for row, n in runs]).to(device)
 
 
-def _layout(k, v, cap):
-    ks, vs = (cap,) + tuple(k.shape[1:]), (cap,) + tuple(v.shape[1:])
-    return ks, vs, math.prod(ks), math.prod(ks) + math.prod(vs)
+def row_width(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+    """Elements of one K row and of one V row (``h_kv x d``, ``h_kv x d_v``)."""
+    return math.prod(k.shape[1:]), math.prod(v.shape[1:])
 
 
-def _flat(k, v, cap, index, dtype=None):
-    """A rank's ``[k | v]`` send buffer of ``cap`` rows each: rows ``index`` of its K and V first,
-    zeros after."""
-    ks, vs, kn, n = _layout(k, v, cap)
-    buf = torch.zeros(n, dtype=dtype or k.dtype, device=k.device)
-    rows = index.numel()
-    torch.index_select(k, 0, index, out=buf[: kn].view(ks)[:rows])
-    torch.index_select(v, 0, index, out=buf[kn:].view(vs)[:rows])
+def kv_rows(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``(n, wk + wv)`` rows ``[k | v]`` of the local rows ``index`` (a send buffer, k's dtype)."""
+    wk, wv = row_width(k, v)
+    buf = torch.empty((index.numel(), wk + wv), dtype=k.dtype, device=k.device)
+    torch.index_select(k.reshape(k.shape[0], wk), 0, index, out=buf[:, :wk])
+    torch.index_select(v.reshape(v.shape[0], wv), 0, index, out=buf[:, wk:])
     return buf
 
 
-def gathered_rows(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The held (K, V) of :class:`GatheredCall` from rank-major ``[k | v]`` buffers of ``cap`` rows
-    each (what the all-gather returns, or the reduce-scatter's buffer): ``K (P * 2 cap, ...)`` their
-    rows, V the same rows ``cap`` on, so row ``rank * 2 cap + local`` of either is that rank's
-    token. Views where K and V rows have one shape; else copies into two such buffers (half of each
-    unused)."""
-    ks, vs, kn, n = _layout(k, v, cap)
-    world = flat.numel() // n
-    if ks == vs:
-        rows = flat.view((world * 2 * cap,) + ks[1:])
-        return rows, rows[cap:]
-    per = flat.view(world, n)
-    k_rows = flat.new_zeros((world, 2 * cap) + ks[1:])
-    v_rows = flat.new_zeros((world, 2 * cap) + vs[1:])
-    k_rows[:, :cap] = per[:, :kn].view((world,) + ks)
-    v_rows[:, cap:] = per[:, kn:].view((world,) + vs)
-    return k_rows.view((-1,) + ks[1:]), v_rows.view((-1,) + vs[1:])[cap:]
+def kv_views(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(K, V)`` shaped like ``k`` / ``v`` rows: strided views of ``[k | v]`` rows (a 1-D buffer
+    of them, or ``(n, wk + wv)``)."""
+    wk, wv = row_width(k, v)
+    rows = rows.view(-1, wk + wv)
+    n = rows.shape[0]
+    return rows[:, :wk].view((n,) + tuple(k.shape[1:])), rows[:, wk:].view((n,) + tuple(v.shape[1:]))
 
 
-def _gather_start(run, ks, vs, g: int):
-    """Group ``g``'s all-gather posted: every local rank's pieces of the group's documents."""
+def _exchange_start(run, ks, vs, g: int):
+    """Group ``g``'s K/V exchange posted: each local rank sends every rank the pieces of the
+    group's documents that its rows see (:meth:`AllGatherSchedule.sent`), as ``[k | v]`` rows."""
     sched = run.schedule
-    cap = sched.group_cap(g)
-    bufs = [_flat(k, v, cap, sched.group_index(r, g, k.device)) for k, v, r in zip(ks, vs, run.ranks)]
-    return run.transport.all_gather_start(bufs)
-
-
-def _gathered(run, ks, vs, g: int, pending) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per local rank: group ``g``'s held (K, V) (:func:`gathered_rows`) once its gather is in."""
-    cap = run.schedule.group_cap(g)
-    return [gathered_rows(x, ks[0], vs[0], cap) for x in run.transport.finish(pending)]
+    sends, send_n, recv_n = [], [], []
+    for k, v, r in zip(ks, vs, run.ranks):
+        w = sum(row_width(k, v))
+        sends.append(kv_rows(k, v, sched.send_index(r, g, k.device)).view(-1))
+        send_n.append(tuple(n * w for n in sched.send_rows(r, g)))
+        recv_n.append(tuple(n * w for n in sched.recv_rows(r, g)))
+    return run.transport.exchange_start(sends, send_n, recv_n, "the K/V exchange")
 
 
 class _Arriving:
-    """The gather groups in order as ``(g, held K/V per local rank)``: group 0's all-gather posted
+    """The gather groups in order as ``(g, held K/V per local rank)``: group 0's exchange posted
     at once (the caller computes the home calls meanwhile), group ``g + 1``'s posted before group
     ``g`` is handed out, so it is in flight while ``g`` computes."""
 
     def __init__(self, run, ks, vs) -> None:
         self.run, self.ks, self.vs, self.n = run, ks, vs, len(run.schedule.groups)
-        self.pending = _gather_start(run, ks, vs, 0) if self.n else None
+        self.pending = _exchange_start(run, ks, vs, 0) if self.n else None
 
     def __iter__(self):
         for g in range(self.n):
-            kv = _gathered(self.run, self.ks, self.vs, g, self.pending)
-            self.pending = _gather_start(self.run, self.ks, self.vs, g + 1) if g + 1 < self.n else None
+            kv = [kv_views(x, self.ks[0], self.vs[0]) for x in self.run.transport.finish(self.pending)]
+            self.pending = _exchange_start(self.run, self.ks, self.vs, g + 1) if g + 1 < self.n else None
             yield g, kv
             del kv
 
@@ -293,12 +334,14 @@ def allgather_forward(run, qs, ks, vs):
 
 
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
-    """Same contract as :func:`ring_backward`: each group's travelling dK/dV summed over ranks by
-    one reduce-scatter, posted once the group's blocks are queued (it overlaps the next group);
-    a balanced pack's whole documents' dK/dV stay home. Blocks add their fp32 dK/dV by their key
-    index straight into the group's reduce-scatter buffer (laid out as :func:`gathered_rows` lays
-    out K/V). The rows that never travel as in the ring (:class:`~.ring.home_grads.HomeGrads`: a
-    direct home call's own final gradients, else fp32 accumulators that stay home)."""
+    """Same contract as :func:`ring_backward`: each group's travelling dK/dV go back to their
+    owners by one exchange (the K/V exchange reversed: every rank returns the fp32 gradients of
+    the rows it received), posted once the group's blocks are queued (it overlaps the next group),
+    and each owner adds what comes back by its send index; a balanced pack's whole documents'
+    dK/dV stay home. Blocks add their fp32 dK/dV by their key index straight into the group's
+    return buffer (``[dk | dv]`` rows laid out as the received K/V rows). The rows that never
+    travel as in the ring (:class:`~.ring.home_grads.HomeGrads`: a direct home call's own final
+    gradients, else fp32 accumulators that stay home)."""
     sched = run.schedule
     acc = torch.float64 if qs[0].dtype == torch.float64 else torch.float32
     fp32 = run.options.fp32_grads and qs[0].dtype != acc
@@ -317,56 +360,36 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             call.add_k(dst[0], kept[0])
             call.add_k(dst[1], kept[1])
 
-    arriving, scattering = _Arriving(run, ks, vs), []
+    arriving, returning = _Arriving(run, ks, vs), []
     for i, r in enumerate(run.ranks):
         for call in sched.home_calls(r):
             block(i, call, (ks[i], vs[i]), rows.homes[i])
     for g, kv in arriving:
-        cap, fulls = sched.group_cap(g), []
+        grads, send_n, recv_n = [], [], []
         for i, r in enumerate(run.ranks):
-            flat, dkv, bases = _grad_rows(sched.world_size, ks[i], vs[i], cap, acc)
+            w = sum(row_width(ks[i], vs[i]))
+            flat = torch.zeros(sum(sched.recv_rows(r, g)) * w, dtype=acc, device=ks[i].device)
+            dkv = kv_views(flat, ks[i], vs[i])
             for call in sched.group_calls(r, g):
                 block(i, call, kv[i], dkv)
-            fulls.append(flat if bases is None else _rank_major(*bases, ks[i], vs[i], cap))
+            grads.append(flat)
+            send_n.append(tuple(n * w for n in sched.recv_rows(r, g)))
+            recv_n.append(tuple(n * w for n in sched.send_rows(r, g)))
         del kv  # (the next group's K/V already arriving)
-        scattering.append(run.transport.reduce_scatter_start(fulls))
+        returning.append(run.transport.exchange_start(grads, send_n, recv_n, "the dK/dV exchange"))
     travelled = [_travelled(run, ks[i], vs[i], r, acc) for i, r in enumerate(run.ranks)]
-    for g, p in enumerate(scattering):
-        for i, (r, mine) in enumerate(zip(run.ranks, run.transport.finish(p))):
-            ks_, vs_, kn, _ = _layout(ks[i], vs[i], sched.group_cap(g))
-            got, index = sched.group_rows(r, g), sched.group_index(r, g, ks[i].device)
-            travelled[i][0].index_add_(0, index, mine[:kn].view(ks_)[:got])
-            travelled[i][1].index_add_(0, index, mine[kn:].view(vs_)[:got])
+    for g, p in enumerate(returning):
+        for i, (r, back) in enumerate(zip(run.ranks, run.transport.finish(p))):
+            index = sched.send_index(r, g, ks[i].device)
+            dk, dv = kv_views(back, ks[i], vs[i])
+            travelled[i][0].index_add_(0, index, dk)
+            travelled[i][1].index_add_(0, index, dv)
     got = [rows.dkv(i, *t) for i, t in enumerate(travelled)]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]
 
 
 def _travelled(run, k: torch.Tensor, v: torch.Tensor, rank: int, dtype: torch.dtype):
-    """Zeroed dK/dV of ``rank``'s travelling rows (the groups' reduce-scattered slices add in)."""
+    """Zeroed dK/dV of ``rank``'s travelling rows (the groups' returned gradients add in)."""
     n = run.schedule.travel_rows(rank)
     return (torch.zeros((n,) + tuple(k.shape[1:]), dtype=dtype, device=k.device),
             torch.zeros((n,) + tuple(v.shape[1:]), dtype=dtype, device=v.device))
-
-
-def _grad_rows(world: int, k: torch.Tensor, v: torch.Tensor, cap: int, dtype: torch.dtype):
-    """Zeroed dK/dV accumulators laid out as :func:`gathered_rows` lays out K/V: ``(flat, (dk,
-    dv), None)`` with ``flat`` the reduce-scatter's buffer itself where K and V rows have one
-    shape, else ``(None, (dk, dv), (dk_rows, dv_rows))`` for :func:`_rank_major`."""
-    ks, vs, _, n = _layout(k, v, cap)
-    if ks == vs:
-        flat = torch.zeros(world * n, dtype=dtype, device=k.device)
-        rows = flat.view((world * 2 * cap,) + ks[1:])
-        return flat, (rows, rows[cap:]), None
-    k_rows = torch.zeros((world * 2 * cap,) + ks[1:], dtype=dtype, device=k.device)
-    v_rows = torch.zeros((world * 2 * cap,) + vs[1:], dtype=dtype, device=k.device)
-    return None, (k_rows, v_rows[cap:]), (k_rows, v_rows)
-
-
-def _rank_major(k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: int
-                ) -> torch.Tensor:
-    """The reduce-scatter's flat rank-major ``[dk | dv]`` buffer from :func:`_grad_rows`' two row
-    buffers (K and V rows of different shapes)."""
-    world = k_rows.shape[0] // (2 * cap)
-    k_part = k_rows.view(world, 2 * cap, -1)[:, :cap].reshape(world, -1)
-    v_part = v_rows.view(world, 2 * cap, -1)[:, cap:].reshape(world, -1)
-    return torch.cat([k_part, v_part], 1).reshape(-1)

@@ -6,9 +6,10 @@ tensor, or a tuple of tensors sent as pieces: piece j of a send lands in piece j
 same sizes on every rank); ``wait``
 makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
 communication stream that first waits for the compute stream, so producers are done and earlier
-readers of ``recv`` have finished. ``all_gather`` / ``reduce_scatter`` (the all-gather mode's
-collectives) block; their ``*_start`` forms post them and ``finish`` waits, so the all-gather mode
-computes one group of documents while the next group's K/V arrive.
+readers of ``recv`` have finished. ``exchange_start`` (the all-gather mode's collective: an
+all-to-all of uneven chunks, each rank sending every other rank just the rows it needs) posts and
+``finish`` waits, so the all-gather mode computes one group of documents while the next group's
+K/V arrive.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
   ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
@@ -45,7 +46,7 @@ class _Handle:
 
 
 class Pending:
-    """A collective in flight (:meth:`Transport.all_gather_start` / ``reduce_scatter_start``): its
+    """A collective in flight (:meth:`Transport.exchange_start`): its
     per-local-rank ``result`` tensors, valid on the compute stream after :meth:`Transport.finish`."""
 
     def __init__(self, result: list[torch.Tensor], works=(), what: str = "", event=None,
@@ -95,22 +96,15 @@ class Transport:
     def wait(self, handle: _Handle) -> None:
         raise NotImplementedError
 
-    def all_gather(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per local rank: every rank's buffer, concatenated in rank order (blocking)."""
+    def exchange_start(self, sends: list[torch.Tensor], send_sizes: list[tuple[int, ...]],
+                       recv_sizes: list[tuple[int, ...]], what: str = "an exchange") -> Pending:
+        """An all-to-all of uneven chunks, posted, not waited for (the compute stream may queue
+        other work before :meth:`finish`). Per local rank ``i``: ``sends[i]`` (1-D) is cut into
+        ``send_sizes[i]`` (elements, one entry a rank of the group, in rank order) and chunk ``j``
+        goes to rank ``j``; its result is one 1-D tensor of the chunks it receives, in source-rank
+        order, ``recv_sizes[i]`` elements each (what ``i`` sends ``j`` is what ``j`` expects from
+        ``i``: the schedule computes both sides). ``what`` names it in errors."""
         raise NotImplementedError
-
-    def reduce_scatter(self, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per local rank: its 1/P slice of the sum over ranks of ``fulls`` (blocking)."""
-        raise NotImplementedError
-
-    def all_gather_start(self, bufs: list[torch.Tensor]) -> Pending:
-        """:meth:`all_gather` posted, not waited for: the compute stream may queue other work before
-        :meth:`finish` (here: done at once; the transports below overlap it)."""
-        return Pending(self.all_gather(bufs))
-
-    def reduce_scatter_start(self, fulls: list[torch.Tensor]) -> Pending:
-        """:meth:`reduce_scatter` posted, not waited for (see :meth:`all_gather_start`)."""
-        return Pending(self.reduce_scatter(fulls))
 
     def finish(self, pending: Pending) -> list[torch.Tensor]:
         """The collective's result, the compute stream (or the CPU) made to wait for it."""
@@ -156,34 +150,23 @@ class LoopbackTransport(Transport):
         if handle.event is not None:
             self.current_stream(handle.device).wait_event(handle.event)
 
-    def all_gather(self, bufs):
-        every = torch.cat(bufs)
-        return [every] * len(bufs)
-
-    def reduce_scatter(self, fulls):
-        total = fulls[0].clone()
-        for f in fulls[1:]:
-            total += f
-        return list(total.chunk(len(fulls)))
-
-    def all_gather_start(self, bufs):
-        stream = self.comm_stream(bufs[0].device)
-        if stream is None:
-            return Pending(self.all_gather(bufs))
-        every = torch.empty(sum(b.numel() for b in bufs), dtype=bufs[0].dtype, device=bufs[0].device)
-        return self._post(stream, every, lambda: torch.cat(bufs, out=every), bufs, [every] * len(bufs))
-
-    def reduce_scatter_start(self, fulls):
-        stream = self.comm_stream(fulls[0].device)
-        if stream is None:
-            return Pending(self.reduce_scatter(fulls))
-        total = torch.empty_like(fulls[0])
+    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
+        """Every rank local (list index = rank): receiver ``j``'s buffer is the concatenation of
+        every sender's chunk ``j``, one ``cat`` a receiver, on the communication stream."""
+        chunks = [s.split(list(n)) for s, n in zip(sends, send_sizes, strict=True)]
+        totals = [sum(n) for n in recv_sizes]
+        out = torch.empty(sum(totals), dtype=sends[0].dtype, device=sends[0].device)
+        views = list(out.split(totals))
 
         def write():
-            total.copy_(fulls[0])
-            for f in fulls[1:]:
-                total.add_(f)
-        return self._post(stream, total, write, fulls, list(total.chunk(len(fulls))))
+            for j, view in enumerate(views):
+                if view.numel():
+                    torch.cat([c[j] for c in chunks], out=view)
+        stream = self.comm_stream(out.device)
+        if stream is None:
+            write()
+            return Pending(views)
+        return self._post(stream, out, write, sends, views)
 
     def _post(self, stream, out: torch.Tensor, write, inputs: list[torch.Tensor], result: list) -> Pending:
         """``write()`` (filling ``out``, made on the compute stream) on the communication stream after
@@ -270,28 +253,16 @@ class P2PTransport(Transport):
                 piece.copy_(staged[at:at + n].clone().view(piece.dtype).view(piece.shape))
                 at += n
 
-    def all_gather(self, bufs):
-        return self.finish(self.all_gather_start(bufs))
-
-    def reduce_scatter(self, fulls):
-        return self.finish(self.reduce_scatter_start(fulls))
-
-    def all_gather_start(self, bufs):
-        (b,) = bufs
-        out = b.new_empty(self.world_size * b.numel())
-        work = dist.all_gather_into_tensor(out, b, group=self.group, async_op=True)
-        return Pending([out], [work], "the K/V all-gather")
-
-    def reduce_scatter_start(self, fulls):
-        (f,) = fulls
-        n = f.numel() // self.world_size
-        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce-scatter: all-reduce, keep our slice
-            total = f.clone()
-            work = dist.all_reduce(total, group=self.group, async_op=True)
-            return Pending([total[self.rank * n:(self.rank + 1) * n]], [work], "the dK/dV reduce-scatter")
-        out = f.new_empty(n)
-        work = dist.reduce_scatter_tensor(out, f, group=self.group, async_op=True)
-        return Pending([out], [work], "the dK/dV reduce-scatter")
+    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
+        """One ``all_to_all_single`` with uneven sizes (over gloo as bytes, whatever the dtype)."""
+        (s,), (ss,), (rs,) = sends, send_sizes, recv_sizes
+        out = s.new_empty(sum(rs))
+        a, b, ins, outs = s, out, list(ss), list(rs)
+        if self.gloo:
+            e = s.element_size()
+            a, b, ins, outs = s.view(torch.uint8), out.view(torch.uint8), [n * e for n in ss], [n * e for n in rs]
+        work = dist.all_to_all_single(b, a, outs, ins, group=self.group, async_op=True)
+        return Pending([out], [work], what)
 
     def finish(self, pending):
         """Each collective's wait watched by the error channel (a dead or failed rank ends it, named);
