@@ -377,19 +377,13 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             recv_n.append(tuple(n * w for n in sched.send_rows(r, g)))
         del kv  # (the next group's K/V already arriving)
         returning.append(run.transport.exchange_start(grads, send_n, recv_n, "the dK/dV exchange"))
-    travelled = [_travelled(run, ks[i], vs[i], r, acc) for i, r in enumerate(run.ranks)]
+    travelled = [torch.zeros((sched.travel_rows(r), sum(row_width(ks[i], vs[i]))), dtype=acc, device=ks[i].device)
+                 for i, r in enumerate(run.ranks)]  # [dk | dv] rows, as they come back
     for g, p in enumerate(returning):
         for i, (r, back) in enumerate(zip(run.ranks, run.transport.finish(p))):
-            index = sched.send_index(r, g, ks[i].device)
-            dk, dv = kv_views(back, ks[i], vs[i])
-            travelled[i][0].index_add_(0, index, dk)
-            travelled[i][1].index_add_(0, index, dv)
-    got = [rows.dkv(i, *t) for i, t in enumerate(travelled)]
+            # index_put_'s sorted accumulate: deterministic, and on the H200 1.8x torch's index_add_ on
+            # these wide rows (20k rows of 2048 fp32 into 8k: 160 against 294 us)
+            travelled[i].index_put_((sched.send_index(r, g, ks[i].device),), back.view(-1, travelled[i].shape[1]),
+                                    accumulate=True)
+    got = [rows.dkv(i, *kv_views(t, ks[i], vs[i])) for i, t in enumerate(travelled)]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]
-
-
-def _travelled(run, k: torch.Tensor, v: torch.Tensor, rank: int, dtype: torch.dtype):
-    """Zeroed dK/dV of ``rank``'s travelling rows (the groups' returned gradients add in)."""
-    n = run.schedule.travel_rows(rank)
-    return (torch.zeros((n,) + tuple(k.shape[1:]), dtype=dtype, device=k.device),
-            torch.zeros((n,) + tuple(v.shape[1:]), dtype=dtype, device=v.device))
