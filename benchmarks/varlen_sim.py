@@ -145,15 +145,8 @@ def _shard(packing, dense: bool, t: torch.Tensor, r: int) -> torch.Tensor:
 
 def key_rows(packing) -> int:
     """The placement's spread: over ranks and the split documents they hold pieces of, the keys each
-    needs (up to the end of its last piece of the document), from the ranks' segments."""
-    total = 0
-    for r in range(packing.world_size):
-        ends: dict[int, int] = {}
-        for s in packing.segments(r):
-            if s.travels:
-                ends[s.doc] = max(ends.get(s.doc, 0), s.pos + s.length)
-        total += sum(ends.values())
-    return total
+    needs (up to the end of its last piece of the document)."""
+    return sum(sum(packing.piece_ends(r).values()) for r in range(packing.world_size))
 
 
 def pieces(packing) -> int:

@@ -279,6 +279,7 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     kv = [rows for what, rows in seen if what == "the K/V exchange"]
     assert kv and all(rows == kv[0] for rows in kv), "the forward and the backward exchange the same rows"
     assert sum(kv[0]) == placement.key_rows() * width, (sum(kv[0]) // width, placement.key_rows())
+    assert sum(sum(pack.packing.piece_ends(r).values()) for r in range(P)) == placement.key_rows()
     back = [rows for what, rows in seen if what == "the dK/dV exchange"]
     sched = pack.packing.schedule(context_module.AllGatherSchedule, True, (None, None))
     assert back == [[sum(sched.send_rows(r, 0)) * width for r in range(P)]]

@@ -78,14 +78,8 @@ def held_rows(pack: Packing) -> int:
     """The most K/V rows one rank receives in one group's exchange under the causal mask: over
     the group's documents it holds pieces of, each one's keys up to the end of its last piece."""
     groups = pack.gather_groups(gather_group_count(pack))
-    most = 0
-    for r in range(pack.world_size):
-        ends: dict[int, int] = {}
-        for s in pack.segments(r):
-            if s.travels:
-                ends[s.doc] = max(ends.get(s.doc, 0), s.pos + s.length)
-        most = max([most] + [sum(ends.get(d, 0) for d in g) for g in groups])
-    return most
+    ends = [pack.piece_ends(r) for r in range(pack.world_size)]
+    return max((sum(e.get(d, 0) for d in g) for e in ends for g in groups), default=0)
 
 
 def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:

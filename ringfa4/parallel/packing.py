@@ -207,6 +207,16 @@ class Packing:
         """Local rows whose K/V travel: a prefix of the local order (all of them per document)."""
         return sum(s.length for s in self.segments(rank) if s.travels)
 
+    @cached_method
+    def piece_ends(self, rank: int) -> dict[int, int]:
+        """Per travelling document ``rank`` holds pieces of, the end (document position) of its
+        last piece: under the causal mask, how many of that document's keys its rows see."""
+        ends: dict[int, int] = {}
+        for s in self.segments(rank):
+            if s.travels:
+                ends[s.doc] = max(ends.get(s.doc, 0), s.pos + s.length)
+        return ends
+
     @property
     def max_rows(self) -> int:
         return max(self.rows(r) for r in range(self.world_size))
