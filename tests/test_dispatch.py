@@ -291,6 +291,7 @@ def test_describe_reports_the_balance():
     cp = ringfa4.ContextParallel.simulated(4, layout=_layout(4), backend="reference")
     text = cp.pack(random_cu_seqlens([300, 20, 31, 7, 90, 0, 1])).describe(num_kv_heads=2, head_dim=8)
     assert "balance (max / mean): tokens" in text and "rows a hop" in text and "MiB of K/V a hop" in text
+    assert "keys of split ones seen" in text
     assert text.count("rank ") == 4
 
 

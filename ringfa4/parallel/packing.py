@@ -227,8 +227,9 @@ class Packing:
 
     def describe(self, num_kv_heads: int | None = None, head_dim: int | None = None, itemsize: int = 2) -> str:
         """The placement and the balance reached: per rank tokens, causal pairs, whole / split
-        documents; max / mean tokens and FLOPs; rows (and, given the K/V heads and head dim, bytes)
-        each ring hop moves."""
+        documents and the split documents' keys its pieces see (causal: what the all-gather mode's
+        exchange delivers to it); max / mean tokens and FLOPs; rows (and, given the K/V heads and
+        head dim, bytes) each ring hop moves."""
         P, docs = self.world_size, len(self.doc_lengths)
         split = self.split_docs()
         toks = [self.rows(r) for r in range(P)]
@@ -237,7 +238,7 @@ class Packing:
         for r in range(P):
             whole = sum(1 for s in self.segments(r) if not s.travels)
             lines.append(f"  rank {r}: {toks[r]} tokens ({self.travel_rows(r)} travel), {pairs[r]} causal pairs, "
-                         f"{whole} whole documents")
+                         f"{whole} whole documents, {sum(self.piece_ends(r).values())} keys of split ones seen")
         ratio = lambda xs: max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0  # noqa: E731
         lines.append(f"  balance (max / mean): tokens {ratio(toks):.3f}, FLOPs {ratio(pairs):.3f}")
         hop = self.max_travel_rows
