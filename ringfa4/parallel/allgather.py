@@ -157,6 +157,13 @@ class AllGatherSchedule(PackSchedule):
         return tuple(sum(s.length for s in self.sent(g, src, rank)) for src in range(self.world_size))
 
     @cached_method
+    def exchange_sizes(self, rank: int, g: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(send, receive)`` element counts a rank (rank order) of group ``g``'s K/V exchange,
+        rows of ``width`` elements (the dK/dV return swaps them)."""
+        return (tuple(n * width for n in self.send_rows(rank, g)),
+                tuple(n * width for n in self.recv_rows(rank, g)))
+
+    @cached_method
     def send_index(self, rank: int, g: int, device: torch.device) -> torch.Tensor:
         """int64 local rows ``rank`` sends in group ``g``'s exchange, destination by destination
         (a row sent to several ranks appears once for each: their dK/dV come back and add)."""
@@ -267,10 +274,10 @@ def _exchange_start(run, ks, vs, g: int):
     sched = run.schedule
     sends, send_n, recv_n = [], [], []
     for k, v, r in zip(ks, vs, run.ranks):
-        w = sum(row_width(k, v))
         sends.append(kv_rows(k, v, sched.send_index(r, g, k.device)).view(-1))
-        send_n.append(tuple(n * w for n in sched.send_rows(r, g)))
-        recv_n.append(tuple(n * w for n in sched.recv_rows(r, g)))
+        sizes = sched.exchange_sizes(r, g, sum(row_width(k, v)))
+        send_n.append(sizes[0])
+        recv_n.append(sizes[1])
     return run.transport.exchange_start(sends, send_n, recv_n, "the K/V exchange")
 
 
@@ -367,8 +374,9 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             for call in sched.group_calls(r, g):
                 block(i, call, kv[i], dkv)
             grads.append(flat)
-            send_n.append(tuple(n * w for n in sched.recv_rows(r, g)))
-            recv_n.append(tuple(n * w for n in sched.send_rows(r, g)))
+            sizes = sched.exchange_sizes(r, g, w)
+            send_n.append(sizes[1])
+            recv_n.append(sizes[0])
         del kv  # (the next group's K/V already arriving)
         returning.append(run.transport.exchange_start(grads, send_n, recv_n, "the dK/dV exchange"))
     travelled = [torch.zeros((sched.travel_rows(r), sum(row_width(ks[i], vs[i]))), dtype=acc, device=ks[i].device)
