@@ -10,7 +10,8 @@ all-gather concatenates P copies of its buffer. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
 time), so an unbalanced placement cannot score well. Also:
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring) or
-contributes to the all-gather, and the solver's time for 1,000 documents (CPU, median of 7).
+contributes to the all-gather, and the solver's time for 1,000 documents, all whole and with one
+split (CPU, median of 7).
 
 Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k) at 128k, a long
 tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.
@@ -95,8 +96,13 @@ def _rank_step(run, fwd, bwd, backward: bool):
     return step
 
 
-def _solver_ms() -> float:
-    lengths = tuple(random.Random(1).randint(100, 4000) for _ in range(1000))
+def _solver_ms(one_split: bool = False) -> float:
+    """The solver's time for 1,000 documents of 100-4000 tokens at P = 8 (all stay whole), or 999 of
+    them beside one of 2M tokens (``one_split``: it must be cut, so the fill candidate is built too);
+    CPU, median of 7."""
+    rnd = random.Random(1)
+    lengths = tuple(rnd.randint(100, 4000) for _ in range(999 if one_split else 1000)) + \
+        ((2_000_000,) if one_split else ())
     times = []
     for _ in range(7):
         t = time.perf_counter()
@@ -233,16 +239,18 @@ def main() -> None:
     args = ap.parse_args()
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     worlds = [int(p) for p in args.worlds.split(",")]
-    solver = _solver_ms()
+    solver, solver_split = _solver_ms(), _solver_ms(one_split=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for name in args.mixes.split(","):  # saved after every mix: a run cut short keeps what it measured
         rows += bench_mix(name, worlds, args.modes.split(","), be, args.rep, args.profile)
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
-                       "backend": be.name, "solver_ms_1000_docs": solver, "rows": rows}, f, indent=1)
+                       "backend": be.name, "solver_ms_1000_docs": solver,
+                       "solver_ms_1000_docs_one_split": solver_split, "rows": rows}, f, indent=1)
     print(f"\npacked documents, each simulated rank alone on one {torch.cuda.get_device_name()} ({be.name}; "
-          f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents")
+          f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents, "
+          f"{solver_split:.2f} with one of them split")
     print("| mix | P | mode (K/V) | pass | split / docs | one call ms | slowest rank ms | efficiency | "
           "mean rank ms | FLOPs max/mean | tokens max/mean | MiB a hop | key rows / S | pieces |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -52,9 +52,11 @@ if no zigzag candidate is within them. A lone document keeps the zigzag cut (the
 so it runs the dense ring).
 
 Pure integer work (and float ratios), the same on every rank given the same cu_seqlens (the
-cross-rank check compares those); 1.4-4 ms for 1,000 short documents at P = 8 (all whole: the
-fill is not built; ``benchmarks/varlen_sim.py`` times it), tens of ms for 1,000 documents of which
-one must be split.
+cross-rank check compares those); on the 2-CPU build machine 1.2 ms for 1,000 short documents at
+P = 8 (all whole: the fill is not built) and 4.2 ms for 999 of them beside one of 2M tokens, which
+must be split (``benchmarks/varlen_sim.py`` times both). The fill scores its last few choices of a
+rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs takes the
+longest that fits.
 """
 
 from __future__ import annotations
@@ -303,6 +305,7 @@ def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float =
 
 _TOKEN_SLACK, _PAIR_SLACK = 0.02, 0.01  # how far a whole piece of work may overshoot a rank's target (x T, x F)
 _SCAN = 8  # whole portions that fit, scored per choice (the longest ones)
+_FAR = 8  # a rank still needing this many times a portion's tokens and pairs takes it unscored
 
 
 def _longest_first(portion: list[int]) -> tuple[int, int, int]:
@@ -311,7 +314,8 @@ def _longest_first(portion: list[int]) -> tuple[int, int, int]:
 
 def _span_pairs(a: int, b: int) -> int:
     """Causal pairs of the query rows ``[a, b)`` of a document."""
-    return piece_pairs(a, b - a)
+    n = b - a
+    return n * a + n * (n + 1) // 2
 
 
 def _up(x: int, tile: int) -> int:
@@ -384,14 +388,20 @@ class _Filler:
         little slack), the one that keeps the rank's token and pair fractions closest among those
         that leave a need the rest can still meet; None if none."""
         dt, df = need
-        fits = []
-        for idx in range(self.first_within(dt + _TOKEN_SLACK * self.T), len(self.portions)):
+        limit, fits = df + _PAIR_SLACK * self.F, []
+        idx = self.first_within(dt + _TOKEN_SLACK * self.T)
+        if idx < len(self.portions):  # far from full: the longest that fits, unscored (the last few balance)
+            _, a, b = self.portions[idx]
+            if _FAR * (b - a) <= dt and _FAR * _span_pairs(a, b) <= df:
+                return idx
+        while idx < len(self.portions) and len(fits) < _SCAN:
             _, a, b = self.portions[idx]
             n, c = b - a, _span_pairs(a, b)
-            if c <= df + _PAIR_SLACK * self.F:
+            if c <= limit:
                 fits.append((abs((self.fl[r] + c) / target[1] - (self.tok[r] + n) / target[0]), idx, n, c))
-                if len(fits) >= _SCAN:
-                    break
+                idx += 1
+            else:  # a portion of n rows has at least n (n + 1) / 2 pairs: skip to those short enough
+                idx = max(idx + 1, self.first_within(_rows_within(limit)))
         for _, idx, n, c in sorted(fits):
             rt, rf = dt - n, df - c
             if rf < _PAIR_SLACK * self.F or (rt >= self.tile / 2 and rf <= self.densest(int(rt), idx)):
@@ -478,6 +488,16 @@ class _Filler:
                     self.take(idx, r, [piece])
                 return
             self.take(0, r, self.one_end(need))
+
+
+def _rows_within(pairs: float) -> int:
+    """The most rows ``n`` with ``n (n + 1) / 2 <= pairs`` (a portion of more has more pairs)."""
+    n = max(0, int(((8 * max(pairs, 0) + 1) ** 0.5 - 1) / 2))
+    while (n + 1) * (n + 2) // 2 <= pairs:
+        n += 1
+    while n and n * (n + 1) // 2 > pairs:
+        n -= 1
+    return n
 
 
 def _bisect(f, lo: int, hi: int, value: float) -> int:
