@@ -204,12 +204,13 @@ class ContextParallel:
 
         - "balanced": the cost-balanced placement (:mod:`ringfa4.parallel.dispatch`): short
           documents whole on one rank, long ones in tile-aligned pieces on the ranks they need;
-          only the split documents' K/V move, through ring hops or the all-gather by the rule of
+          only the split documents' K/V move, through ring hops or the all-gather mode's exchange
+          (each rank receives just the pieces its rows see) by the rule of
           :func:`~ringfa4.parallel.allgather.prefer_allgather` applied to the split documents;
         - "auto" (default): "balanced" (the solver itself falls back to splitting every document
           where that balances best, which is the per-document placement);
         - "ring" / "allgather": the layout inside every document, every token's K/V moving by ring
-          hops / the all-gather (kept for comparison and for the layout's own chunking).
+          hops / the exchange (kept for comparison and for the layout's own chunking).
         ``pack.describe()`` prints the placement and the balance reached."""
         error, packing = None, None
         try:
