@@ -19,8 +19,8 @@
 #   recipe    PART dry (default): hf_llama8b.py (ringfa4 vs sdpa on the Llama-3.1-8B shape) and the recipes'
 #             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
 #   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one, weak scaling against PyTorch's
-#             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather in one and two
-#             pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
+#             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather mode's exchange in one
+#             and two pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
 #             --hops nccl) (~8 min)
 #
 # Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-h200}.json (the names

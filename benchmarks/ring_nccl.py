@@ -12,8 +12,8 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
 3. Packed mixes of varlen_sim.py (``--packed``): forward+backward with the split documents' K/V by
-   ring hops, by the all-gather in one group and in two pipelined groups (whether the collectives
-   hide behind the attention on real ranks).
+   ring hops, by the all-gather mode's exchange in one group and in two pipelined groups (whether the
+   collectives hide behind the attention on real ranks).
 """
 
 from __future__ import annotations
