@@ -6,12 +6,12 @@ its shards is timed separately, the executor level: ``ring_forward`` / ``allgath
 :class:`RingRun` of that one rank (a pack of one document placed as the dense layout places it: the
 dense ring, as ``ringfa4.attention`` runs it, travel ``dense``), whose hops copy its travelling
 buffers (the bytes a real rank receives; their contents are its own, stale: timing only) and whose
-all-gather concatenates P copies of its buffer. efficiency = t(one
+exchange writes the bytes the rank receives. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
 time), so an unbalanced placement cannot score well. Also:
-max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring) or
-contributes to the all-gather, and the solver's time for 1,000 documents, all whole and with one
-split (CPU, median of 7).
+max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring), the
+key rows the split documents' holders need (what the exchange moves) and the pieces, and the
+solver's time for 1,000 documents, all whole and with one split (CPU, median of 7).
 
 Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k) at 128k, a long
 tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.

@@ -7,6 +7,9 @@ import math
 
 import torch
 
+TAIL_256K = (24830, 14478, 1764, 643, 3107, 1600, 17011, 849, 2502, 4872, 36943, 2982, 742, 14285, 6060, 610,
+             37321, 58862, 20058, 12625)  # benchmarks/varlen_sim.py's long-tail mix
+
 
 def _visible(s_q: int, s_k: int, causal: bool, window, device) -> torch.Tensor:
     left, right = window

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from helpers import random_cu_seqlens, reference_grads, rel_err
+from helpers import TAIL_256K, random_cu_seqlens, reference_grads, rel_err
 from test_packing import FLOOR, _base_errors, _check
 
 import ringfa4
@@ -109,8 +109,6 @@ def test_balance_within_the_documented_bounds(P):
         assert pl.flop_balance() <= FLOP_BOUND + 1e-9, (trial, pl.flop_balance())
 
 
-TAIL_256K = (24830, 14478, 1764, 643, 3107, 1600, 17011, 849, 2502, 4872, 36943, 2982, 742, 14285, 6060, 610,
-             37321, 58862, 20058, 12625)  # benchmarks/varlen_sim.py's long-tail mix
 
 
 def test_documents_split_over_the_ranks_they_need():

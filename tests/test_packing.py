@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import random_cu_seqlens, reference_grads, rel_err
+from helpers import TAIL_256K, random_cu_seqlens, reference_grads, rel_err
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend
@@ -293,9 +293,8 @@ def test_auto_mode_rule():
     assert held_rows(even) * 8 <= HELD_SHARE * 200000 and prefer_allgather(even, 32, 8)
     lone = Packing([0, 200000, 210000, 225000], make_layout("zigzag", 8))
     assert held_rows(lone) * 8 > HELD_SHARE * 225000 and not prefer_allgather(lone, 32, 8)
-    lengths = (24830, 14478, 1764, 643, 3107, 1600, 17011, 849, 2502, 4872, 36943, 2982, 742, 14285, 6060, 610,
-               37321, 58862, 20058, 12625)  # benchmarks/varlen_sim.py's long tail (measured: all-gather ahead)
-    tail = Packing([sum(lengths[:i]) for i in range(len(lengths) + 1)], make_layout("zigzag", 8, tile=128),
+    # benchmarks/varlen_sim.py's long tail (measured: all-gather ahead)
+    tail = Packing([sum(TAIL_256K[:i]) for i in range(len(TAIL_256K) + 1)], make_layout("zigzag", 8, tile=128),
                    balanced=True)
     assert len(tail.split_docs()) == 4 and prefer_allgather(tail, 32, 8)
     with pytest.raises(ValueError, match="mode must be"):

@@ -314,8 +314,7 @@ def _longest_first(portion: list[int]) -> tuple[int, int, int]:
 
 def _span_pairs(a: int, b: int) -> int:
     """Causal pairs of the query rows ``[a, b)`` of a document."""
-    n = b - a
-    return n * a + n * (n + 1) // 2
+    return piece_pairs(a, b - a)
 
 
 def _up(x: int, tile: int) -> int:
@@ -388,20 +387,18 @@ class _Filler:
         little slack), the one that keeps the rank's token and pair fractions closest among those
         that leave a need the rest can still meet; None if none."""
         dt, df = need
-        limit, fits = df + _PAIR_SLACK * self.F, []
-        idx = self.first_within(dt + _TOKEN_SLACK * self.T)
-        if idx < len(self.portions):  # far from full: the longest that fits, unscored (the last few balance)
-            _, a, b = self.portions[idx]
+        start, fits = self.first_within(dt + _TOKEN_SLACK * self.T), []
+        if start < len(self.portions):  # far from full: the longest that fits, unscored (the last few balance)
+            _, a, b = self.portions[start]
             if _FAR * (b - a) <= dt and _FAR * _span_pairs(a, b) <= df:
-                return idx
-        while idx < len(self.portions) and len(fits) < _SCAN:
+                return start
+        for idx in range(start, len(self.portions)):
             _, a, b = self.portions[idx]
             n, c = b - a, _span_pairs(a, b)
-            if c <= limit:
+            if c <= df + _PAIR_SLACK * self.F:
                 fits.append((abs((self.fl[r] + c) / target[1] - (self.tok[r] + n) / target[0]), idx, n, c))
-                idx += 1
-            else:  # a portion of n rows has at least n (n + 1) / 2 pairs: skip to those short enough
-                idx = max(idx + 1, self.first_within(_rows_within(limit)))
+                if len(fits) >= _SCAN:
+                    break
         for _, idx, n, c in sorted(fits):
             rt, rf = dt - n, df - c
             if rf < _PAIR_SLACK * self.F or (rt >= self.tile / 2 and rf <= self.densest(int(rt), idx)):
@@ -488,16 +485,6 @@ class _Filler:
                     self.take(idx, r, [piece])
                 return
             self.take(0, r, self.one_end(need))
-
-
-def _rows_within(pairs: float) -> int:
-    """The most rows ``n`` with ``n (n + 1) / 2 <= pairs`` (a portion of more has more pairs)."""
-    n = max(0, int(((8 * max(pairs, 0) + 1) ** 0.5 - 1) / 2))
-    while (n + 1) * (n + 2) // 2 <= pairs:
-        n += 1
-    while n and n * (n + 1) // 2 > pairs:
-        n -= 1
-    return n
 
 
 def _bisect(f, lo: int, hi: int, value: float) -> int:
