@@ -68,24 +68,21 @@ def mix_lengths(name: str, seed: int = 0) -> list[int]:
 
 class _OneRank(LoopbackTransport):
     """The transport of one simulated rank run alone: a hop copies its own buffer (the bytes a
-    real rank receives); an exchange writes as many bytes as the rank receives, copied from its
-    own send buffer (stale contents: timing only), in the rank's own stream order."""
+    real rank receives); the all-gather mode's moves write every receive of the rank, copied from
+    a scratch of random values (stale contents: timing only), in the rank's own stream order."""
 
     def __init__(self, world_size: int) -> None:
         super().__init__()
         self.world_size = world_size
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}
 
-    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
-        (src,), n = sends, sum(recv_sizes[0])
-        out = src.new_empty(n)
-        at = 0
-        while at < n and src.numel():
-            m = min(src.numel(), n - at)
-            out[at:at + m].copy_(src[:m])
-            at += m
-        if at < n:
-            out[at:].zero_()
-        return Pending([out])
+    def move_start(self, sends, recvs, what="an exchange"):
+        for _, t in recvs[0]:
+            src = self.scratch.get(t.dtype)
+            if src is None or src.numel() < t.numel():
+                src = self.scratch[t.dtype] = torch.randn(max(t.numel(), 1 << 24), device=t.device).to(t.dtype)
+            t.copy_(src[:t.numel()].view(t.shape))
+        return Pending()
 
 
 def _rank_step(run, fwd, bwd, backward: bool):

@@ -240,7 +240,8 @@ def test_whole_documents_move_nothing(monkeypatch):
     moved = []
     t = cp.transport
     monkeypatch.setattr(t, "shift", lambda send, recv, off: moved.append(sum(x.numel() for x in send)) or None)
-    monkeypatch.setattr(t, "exchange_start", lambda sends, *a, **kw: moved.append(sum(x.numel() for x in sends)))
+    monkeypatch.setattr(t, "move_start", lambda sends, *a, **kw: moved.append(sum(x.numel() for s in sends
+                                                                                   for _, x in s)))
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(sum(lengths), n, 8, generator=g).double() for n in (4, 2, 2, 4))
     got = _run(cp, q, k, v, do, cu, {"causal": True})
@@ -262,25 +263,27 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     placement = pack.packing.placement
     assert _is_fill(placement, FILLED, P, TILE)
     t, seen = cp.transport, []
-    real = t.exchange_start
+    real = t.move_start
 
-    def watch(sends, send_sizes, recv_sizes, what="an exchange"):
-        assert [list(r) for r in recv_sizes] == [[s[j] for s in send_sizes] for j in range(P)], what
-        assert [x.numel() for x in sends] == [sum(s) for s in send_sizes], what
-        seen.append((what, [sum(r) for r in recv_sizes]))
-        return real(sends, send_sizes, recv_sizes, what)
-    monkeypatch.setattr(t, "exchange_start", watch)
+    def watch(sends, recvs, what="an exchange"):
+        for dst, got in enumerate(recvs):  # what each rank receives from each is what that one sends it
+            for src in range(P):
+                assert [x.shape for s, x in got if s == src] == [x.shape for d, x in sends[src] if d == dst], what
+        seen.append((what, [sum(x.shape[0] for _, x in got) for got in recvs]))
+        return real(sends, recvs, what)
+    monkeypatch.setattr(t, "move_start", watch)
     g = torch.Generator().manual_seed(P)
     q, k, v, do = (torch.randn(sum(FILLED), n, 8, generator=g).double() for n in (4, 2, 2, 4))
     got = _run(cp, q, k, v, do, cu, {"causal": True})
-    width = 2 * 2 * 8  # a [k | v] row: 2 kv heads x d = 8, twice
     kv = [rows for what, rows in seen if what == "the K/V exchange"]
     assert kv and all(rows == kv[0] for rows in kv), "the forward and the backward exchange the same rows"
-    assert sum(kv[0]) == placement.key_rows() * width, (sum(kv[0]) // width, placement.key_rows())
+    assert sum(kv[0]) == 2 * placement.key_rows(), (sum(kv[0]) // 2, placement.key_rows())  # K and V
     assert sum(sum(pack.packing.piece_ends(r).values()) for r in range(P)) == placement.key_rows()
     back = [rows for what, rows in seen if what == "the dK/dV exchange"]
     sched = pack.packing.schedule(context_module.AllGatherSchedule, True, (None, None))
-    assert back == [[sum(sched.send_rows(r, 0)) * width for r in range(P)]]
+    own = [sum(n for dst, _, n in sched.sends(r, 0) if dst == r) for r in range(P)]
+    assert back == [[2 * (sum(n for _, _, n in sched.sends(r, 0)) - own[r]) for r in range(P)]], \
+        "each owner receives the gradients of the rows it sent others (its own it adds in place)"
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 

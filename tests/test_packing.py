@@ -116,12 +116,15 @@ def test_packed_lse_as_accurate_as_one_call(mode):
     assert rel_err(lse, exact) <= rel_err(full, exact), (rel_err(lse, exact), rel_err(full, exact))
 
 
-def test_allgather_bf16_grads_add_back_by_key_index(monkeypatch):
-    """bf16, 4 ranks, the all-gather mode's fp32 block gradients: every gathered call hands its dK /
-    dV back as rows of the reduce-scatter's buffer by its key index (RowsAt, duplicates adding),
-    and out / lse / dq / dk / dv stay within 2x one varlen call's error against float64."""
-    from ringfa4.kernels import spec as spec_mod
+def test_allgather_bf16_calls_read_their_keys_in_place(monkeypatch):
+    """bf16, 4 ranks, two gather groups, the all-gather mode's fp32 block gradients: every gathered
+    call's keys are one contiguous range of its group's buffer (no key gather, no indexed dK/dV
+    add), a rank holding a document's head and tail fills the head's slot by a copy of the tail's
+    prefix (and folds its gradients back), and out / lse / dq / dk / dv stay within 2x one varlen
+    call's error against float64."""
     from ringfa4.parallel import allgather
+    from ringfa4.parallel.allgather import AllGatherSchedule
+    from ringfa4.parallel.varlen import VarlenCall
 
     monkeypatch.setattr(allgather, "PIPELINE_PAIRS", 0)  # two gather groups even for this small pack
     lengths = [300, 17, 650, 90, 411]
@@ -130,19 +133,17 @@ def test_allgather_bf16_grads_add_back_by_key_index(monkeypatch):
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     qb, kb, vb, dob = (t.to(torch.bfloat16) for t in (q, k, v, do))
     base = _base_errors(qb, kb, vb, dob, cu, {"causal": True}, ref)
-    adds = []
-    real_add = spec_mod.RowsAt.add_
-    monkeypatch.setattr(spec_mod.RowsAt, "add_", lambda self, rows: (adds.append(self.index.clone()),
-                                                                      real_add(self, rows)))
+    gathers = []
+    real = VarlenCall._rows
+    monkeypatch.setattr(VarlenCall, "_rows", lambda self, x, which, dim=0: (
+        gathers.append(which) if which == "k" and not self.k_contiguous else None, real(self, x, which, dim))[1])
     got = _sim(4, "zigzag", qb, kb, vb, dob, cu, {"causal": True}, "allgather")
-    from ringfa4.parallel.allgather import AllGatherSchedule
-
     sched = ringfa4.ContextParallel.simulated(4).pack(cu, "allgather").packing.schedule(AllGatherSchedule, True,
                                                                                        (None, None))
-    gathered = [c for r in range(4) for g in range(len(sched.groups)) for c in sched.group_calls(r, g)]
-    assert len(sched.groups) == 2 and len(adds) == 2 * len(gathered)  # dk and dv of every gathered call
-    assert sorted(i.numel() for i in adds) == sorted(2 * [sum(d - b for _, _, b, d in c.pairs)
-                                                          for c in gathered])
+    layouts = [sched.layout(r, g) for r in range(4) for g in range(len(sched.groups))]
+    assert len(sched.groups) == 2 and not gathers
+    assert all(c.k_contiguous for lay in layouts for c in lay.calls)
+    assert any(lay.copies for lay in layouts), "zigzag: a rank's head piece reads a prefix of its tail's keys"
     for name, x, r, e0 in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
         assert rel_err(x.double(), r) <= 2 * e0, f"{name}: {rel_err(x.double(), r):.3g} > 2 x {e0:.3g}"
 

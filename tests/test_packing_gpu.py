@@ -79,16 +79,16 @@ def test_balanced_pack_error_like_one_varlen_call(P):
 
 
 class _NoFinishWait(LoopbackTransport):
-    """A broken transport: hands out a collective's result without making compute wait for it."""
+    """A broken transport: its moves' receives handed out without making compute wait for them."""
 
     def finish(self, pending):
-        return pending.result
+        return None
 
 
 def test_pipelined_allgather_under_a_delayed_stream(monkeypatch):
-    """The all-gather mode's groups (two gathers in flight one after the other, each group's
-    reduce-scatter overlapping the next group): results poisoned until written and a
-    communication stream that sleeps before each collective change nothing beyond the order of
+    """The all-gather mode's groups (two groups' K/V moves in flight one after the other, each
+    group's dK/dV return overlapping the next group): receives poisoned until written and a
+    communication stream that sleeps before each batch of moves change nothing beyond the order of
     fp32 atomics, while a transport whose finish skips the wait is caught by the same check."""
     from ringfa4.parallel import allgather
 

@@ -1,6 +1,6 @@
 """The fused unpad-add of FA4's padded varlen accumulators (kernels/fa4/unpad_add_triton.py)
-equals the index_select + add it replaces (also adding by a destination row index, duplicates
-included, as for :class:`~ringfa4.kernels.spec.RowsAt`): on the CPU through Triton's interpreter
+equals the index_select + add it replaces (and its store form the index_select + copy, in fp32 and
+bf16, as for :class:`~ringfa4.kernels.spec.Written`): on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess since it is read at import), on the GPU natively."""
 
 import pytest
@@ -11,7 +11,7 @@ SCRIPT = r"""
 import torch
 from ringfa4.kernels.fa4 import varlen_bwd
 from ringfa4.kernels.fa4.unpad_add_triton import unpad_add_triton_
-from ringfa4.kernels.spec import RowsAt
+from ringfa4.kernels.spec import Written
 g = torch.Generator().manual_seed(0)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 for lengths, heads, d, d_r, tile in [([5, 0, 17, 1, 40], 3, 64, 64, 16), ([33], 2, 80, 96, 32),
@@ -30,19 +30,21 @@ for lengths, heads, d, d_r, tile in [([5, 0, 17, 1, 40], 3, 64, 64, 16), ([33], 
     assert unpad_add_triton_(got, accum, prow, order, tile, d_r, 0.37)
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
     assert not unpad_add_triton_(got.double(), accum, prow, order, tile, d_r, 1.0)  # not fp32: declined
-    # by a destination index with duplicates (rows of a bigger accumulator): atomic adds
-    base = torch.randn(total + 5, heads, d, generator=g).to(dev)
-    drow = torch.randint(0, total + 5, (total,), generator=g).to(dev)
-    drow[: total // 2] = drow[total - total // 2:].flip(0)  # every row of the first half a duplicate
-    want_b = base.clone().index_add_(0, drow, want.sub(acc0))
-    got_b = base.clone()
-    assert unpad_add_triton_(got_b, accum, prow, order, tile, d_r, 0.37, drow)
-    assert torch.allclose(got_b, want_b, rtol=0, atol=1e-5), (got_b - want_b).abs().max()
+    # the store form: rows written in the destination's dtype, never read (NaN there stays out)
+    rows = accum.index_select(1, idx).view(heads, total, d).permute(1, 0, 2).mul(0.37)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        got_s = torch.full((total + 3, heads, d), float("nan"), device=dev).to(dtype)[2:-1]
+        assert unpad_add_triton_(got_s, accum, prow, order, tile, d_r, 0.37, store=True)
+        err = (got_s.float() - rows.to(dtype).float()).abs().max()
+        assert err <= tol, err
+    assert not unpad_add_triton_(got.double(), accum, prow, order, tile, d_r, 1.0, store=True)
     # varlen_bwd's entry point, both ways (Triton here; the torch fallback where it declines)
-    for target in (base.clone(), base.double()):
-        rows_at = RowsAt(target, drow)
-        varlen_bwd._add_rows_(rows_at, accum, cu, tile, order, d_r, 0.37)
-        assert torch.allclose(target.float(), want_b, rtol=0, atol=1e-5)
+    for target in (torch.full_like(acc0, float("nan")), torch.full_like(acc0, float("nan")).double()):
+        varlen_bwd._add_rows_(Written(target), accum, cu, tile, order, d_r, 0.37)
+        assert torch.allclose(target.float(), rows, rtol=0, atol=1e-5)
+    for target in (acc0.clone(), acc0.double()):
+        varlen_bwd._add_rows_(target, accum, cu, tile, order, d_r, 0.37)
+        assert torch.allclose(target.float(), want, rtol=0, atol=1e-5)
     # the padded rows themselves: document i starts at (cu[i] + i * tile) // tile * tile
     starts = [(int(cu[i]) + i * tile) // tile * tile for i in range(len(lengths))]
     assert [int(prow[int(cu[i])]) for i in range(len(lengths)) if lengths[i]] == \

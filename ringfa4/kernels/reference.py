@@ -197,12 +197,13 @@ class ReferenceBackend:
                             out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
         """:meth:`backward`'s gradients in the compute dtype, added into ``grads = (dq_acc, dk_acc,
-        dv_acc)`` (float32 or float64, shaped like q / k / v, dense or varlen; views allowed; dk / dv
-        may be :class:`~.spec.RowsAt`) without rounding to the inputs' dtype first. Always True (the
-        reference runs every call)."""
+        dv_acc)`` (float32 or float64, shaped like q / k / v, dense or varlen; views allowed; any
+        may be a :class:`~.spec.Written`, then written) without rounding to the inputs' dtype
+        first. Always True (the reference runs every call)."""
         validate_block(q, k, v, spec)
-        dq_acc, dk_acc, dv_acc = check_grads(grads, q, k, v, (torch.float32, torch.float64))
-        (dk_acc, dk_rows), (dv_acc, dv_rows) = materialized(dk_acc), materialized(dv_acc)
+        grads = check_grads(grads, q, k, v, (torch.float32, torch.float64))
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        (dq_acc, dq_w), (dk_acc, dk_w), (dv_acc, dv_w) = (materialized(g, compute) for g in grads)
         if not spec.varlen:
             dq, dk, dv = self._backward_dense(dout, q, k, v, out, lse, spec)
             dq_acc += dq
@@ -217,9 +218,9 @@ class ReferenceBackend:
                     dq_acc[a:b] += g[0][0]
                     dk_acc[c:e] += g[1][0]
                     dv_acc[c:e] += g[2][0]
-        for rows, got in ((dk_rows, dk_acc), (dv_rows, dv_acc)):
-            if rows is not None:
-                rows.add_(got)
+        for written, got in ((dq_w, dq_acc), (dk_w, dk_acc), (dv_w, dv_acc)):
+            if written is not None:
+                written.put_(got)
         return True
 
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 __all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "KVGradLayout", "PlainBackend",
-           "RowsAt", "allowed_band", "band_mask", "check_grads", "materialized"]
+           "Written", "allowed_band", "band_mask", "check_grads", "materialized"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -139,63 +139,59 @@ def band_mask(spec: AttnSpec, s_q: int, s_k: int, device: torch.device | str = "
 
 
 @dataclass(frozen=True, eq=False)
-class RowsAt:
-    """A dK / dV accumulator given as rows of a bigger one: row ``i`` of the block's gradient adds
-    into ``base[index[i]]``. ``base (n_base, h_kv, d)`` float32 (float64 for the reference backend),
-    last-dim stride 1; ``index (n,)`` int64 on its device, duplicates allowed (their rows add). How a
-    block whose key rows were gathered by ``index`` (``base.index_select(0, index)`` of the K / V
-    it read) hands back its dK / dV with no gathered-size fp32 buffer."""
+class Written:
+    """A gradient the block *writes* instead of adding: its rows of ``out`` get this block's
+    gradient, whatever they held. For rows one block alone contributes to (the all-gather mode:
+    every query row and every key slot is in exactly one call), so the caller needs no zero fill
+    and the backend no read of the destination. ``out`` is shaped like q / k / v, last-dim stride
+    1, float32 (float64 for the reference backend) or, for a final gradient, the inputs' dtype
+    (rounded once, from the fp32 accumulation)."""
 
-    base: torch.Tensor
-    index: torch.Tensor
+    out: torch.Tensor
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.index.numel(),) + tuple(self.base.shape[1:]))
+        return self.out.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.base.dtype
+        return self.out.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.base.device
+        return self.out.device
 
-    def add_(self, rows: torch.Tensor) -> None:
-        """``base[index] += rows`` (duplicates summed)."""
-        self.base.index_add_(0, self.index, rows.to(self.base.dtype))
+    def put_(self, rows: torch.Tensor) -> None:
+        """``out <- rows`` (cast to its dtype)."""
+        self.out.copy_(rows)
 
 
-def materialized(acc):
-    """``(acc, None)`` for a tensor; ``(zeros like its rows, acc)`` for a :class:`RowsAt`, whose
-    ``add_`` the caller then runs on the filled zeros (how a backend without an indexed path takes
-    one)."""
-    if isinstance(acc, RowsAt):
-        return torch.zeros(acc.shape, dtype=acc.dtype, device=acc.device), acc
+def materialized(acc, compute: torch.dtype = torch.float32):
+    """``(acc, None)`` for a tensor; ``(zeros like its rows in the compute dtype, acc)`` for a
+    :class:`Written`, whose ``put_`` the caller then runs with the filled zeros (how a backend
+    path that only adds takes one)."""
+    if isinstance(acc, Written):
+        return torch.zeros(acc.shape, dtype=compute, device=acc.device), acc
     return acc, None
 
 
 def check_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple:
     """``grads = (dq_acc, dk_acc, dv_acc)`` of ``backward_accumulate``: shaped like q / k / v, of one of
-    ``dtypes``, on q's device, last-dim stride 1 (dk / dv may be :class:`RowsAt` whose rows are
-    shaped like k / v, its base and an int64 index on q's device); else a ValueError naming the
-    tensor."""
+    ``dtypes``, on q's device, last-dim stride 1; any may be a :class:`Written` (its ``out`` alike,
+    or of the inputs' dtype); else a ValueError naming the tensor."""
     if not isinstance(grads, (tuple, list)) or len(grads) != 3:
         raise ValueError(f"grads must be a (dq_acc, dk_acc, dv_acc) tuple, got {type(grads).__name__}")
     for name, acc, like in (("dq_acc", grads[0], q), ("dk_acc", grads[1], k), ("dv_acc", grads[2], v)):
-        rows = isinstance(acc, RowsAt) and name != "dq_acc"
-        t = acc.base if rows else acc
-        if not isinstance(t, torch.Tensor) or tuple(acc.shape) != tuple(like.shape) or acc.dtype not in dtypes \
-                or acc.device != q.device:
-            got = f"{tuple(acc.shape)} {acc.dtype} on {acc.device}" if isinstance(t, torch.Tensor) \
-                else type(acc).__name__
-            raise ValueError(f"{name} must be {tuple(like.shape)} of {dtypes} on {q.device}, got {got}")
+        written = isinstance(acc, Written)
+        t = acc.out if written else acc
+        ok = (*dtypes, like.dtype) if written else dtypes
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(like.shape) or t.dtype not in ok \
+                or t.device != q.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(acc).__name__
+            raise ValueError(f"{name} must be {tuple(like.shape)} of {ok} on {q.device}, got {got}")
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have last-dim stride 1, got strides {t.stride()}")
-        if rows and (acc.index.dtype != torch.int64 or acc.index.dim() != 1 or acc.index.device != q.device):
-            raise ValueError(f"{name}.index must be (n,) int64 on {q.device}, got {tuple(acc.index.shape)} "
-                             f"{acc.index.dtype} on {acc.index.device}")
     return grads[0], grads[1], grads[2]
 
 
@@ -213,8 +209,8 @@ class BlockBackend(Protocol):
     backward_accumulate(dout, q, k, v, out, lse, spec, grads) -> bool
         The same block gradients ADDED into ``grads = (dq_acc, dk_acc, dv_acc)``: float32
         accumulators shaped like q / k / v (dense ``(b, s, h, d)`` or varlen ``(total, h, d)``;
-        views with last-dim stride 1, e.g. row slices of a bigger buffer; dk / dv may be
-        :class:`RowsAt`, rows of a bigger one by index; float64 also taken by the reference
+        views with last-dim stride 1, e.g. row slices of a bigger buffer; any may be a
+        :class:`Written`, whose rows the block writes instead; float64 also taken by the reference
         backend), never rounded to the inputs' dtype on the way. Returns True, or
         False touching nothing where it cannot (the caller then uses ``backward``). Malformed
         accumulators are a ValueError naming the tensor.

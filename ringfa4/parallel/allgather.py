@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import NamedTuple
 
 import torch
 
 from ..kernels.sinks import apply_sinks_
+from ..kernels.spec import Written
 from .blocks import band_block, global_band, whole_block
 from .memo import cached_method
 from .packing import Packing
@@ -54,7 +55,7 @@ from .ring import calls
 from .ring.home_grads import HomeGrads
 from .varlen import PackSchedule, VarlenCall, q_runs
 
-__all__ = ["AllGatherSchedule", "allgather_backward", "allgather_forward", "prefer_allgather"]
+__all__ = ["AllGatherSchedule", "GroupLayout", "Move", "allgather_backward", "allgather_forward", "prefer_allgather"]
 
 
 GATHER_GROUPS = 2  # documents gathered in (at most) this many groups, one overlapping the last one's attention
@@ -96,14 +97,51 @@ def prefer_allgather(pack: Packing, num_heads: int, num_kv_heads: int) -> bool:
     return held_rows(pack) * P <= HELD_SHARE * sum(pack.doc_lengths)
 
 
+class Move(NamedTuple):
+    """Rows ``[src_row, src_row + n)`` of rank ``src``'s local K/V into rows ``[slot_row, slot_row + n)``
+    of the receiver's group buffer (:class:`GroupLayout`)."""
+
+    src: int
+    src_row: int
+    n: int
+    slot_row: int
+
+
+class GroupLayout(NamedTuple):
+    """A rank's K/V of one gather group, laid out for its calls: every pair of every call has its
+    own *slot*, its document's key positions ``[k0, k1)`` in order, and the slots follow the calls'
+    pairs, so each call's keys are one contiguous range of the buffer (no gather). ``moves`` fill
+    the slots that no other slot of the same document contains; ``copies`` ``(row, from_row, n)``
+    fill the others from the slot containing them once the moves arrived (a rank holding a
+    document's head and tail: the head's keys are a prefix of the tail's)."""
+
+    calls: tuple[VarlenCall, ...]
+    rows: int
+    moves: tuple[Move, ...]
+    copies: tuple[tuple[int, int, int], ...]
+
+
+def _slots_of(slots: list[tuple[int, int, int, int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The slots ``(doc, k0, k1, row)`` that moves fill (contained in no other, or in an equal one
+    listed later) and the copies of the others from one of those containing them."""
+    def contains(j, i):
+        return slots[j][0] == slots[i][0] and slots[j][1] <= slots[i][1] and slots[i][2] <= slots[j][2]
+    filled = [i for i in range(len(slots))
+              if not any(j != i and contains(j, i) and (not contains(i, j) or j < i) for j in range(len(slots)))]
+    copies = []
+    for i in range(len(slots)):
+        if i not in filled:
+            j = next(j for j in filled if contains(j, i))
+            copies.append((slots[i][3], slots[j][3] + slots[i][1] - slots[j][1], slots[i][2] - slots[i][1]))
+    return filled, copies
+
+
 @dataclass(frozen=True, eq=False)
 class AllGatherSchedule(PackSchedule):
     """Blocks of ``rank``'s q against whole documents: a balanced pack's whole documents from the
     rank's own K/V (:meth:`home_calls`), the travelling (split) documents group by group
-    (:meth:`Packing.gather_groups`) from that group's gathered K/V (:meth:`group_calls`,
-    :class:`GatheredCall`: key positions in the documents' order, read from the received rows).
-    What group ``g``'s exchange delivers to a rank: source-major, each source's pieces of the
-    group's documents that the rank needs (:meth:`sent`), in the source's local order."""
+    (:meth:`Packing.gather_groups`) from that group's K/V buffer (:meth:`layout`: each call's keys
+    one contiguous range, filled by moves straight from the holders' K/V)."""
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -120,79 +158,64 @@ class AllGatherSchedule(PackSchedule):
         return tuple(s for s in self.pack.segments(rank) if s.travels and s.doc in docs)
 
     @cached_method
-    def needs(self, rank: int) -> dict[int, tuple[int, int]]:
-        """Per travelling document ``rank`` holds pieces of, the key positions ``[lo, hi)`` its
-        pieces see under the mask (causal: from the document's start, or the window's, to the end
-        of its last piece; bidirectional: the whole document)."""
+    def _doc_segments(self, doc: int) -> tuple:
+        """``(rank, segment)`` of every piece of document ``doc``, rank by rank."""
+        return tuple((r, s) for r in range(self.world_size) for s in self.pack.segments(r) if s.doc == doc)
+
+    @cached_method
+    def layout(self, rank: int, g: int) -> GroupLayout:
+        """``rank``'s calls of group ``g`` (its pieces against their documents' visible keys, cut
+        into calls of contiguous query rows by :func:`~.varlen.q_runs`), their slots, the moves
+        and the copies that fill them (:class:`GroupLayout`)."""
         lo, hi = global_band(self.causal, self.window)
-        out: dict[int, tuple[int, int]] = {}
-        for s in self.pack.segments(rank):
-            b = band_block((s.local, s.pos, s.length), (0, 0, self.pack.doc_lengths[s.doc]), lo, hi) \
-                if s.travels else None
+        by_flags: dict[tuple, list] = {}
+        for s in self.group_segments(rank, g):
+            b = band_block((s.local, s.pos, s.length), (0, 0, self.pack.doc_lengths[s.doc]), lo, hi)
             if b is not None:
-                a, z = out.get(s.doc, (b.k0, b.k1))
-                out[s.doc] = (min(a, b.k0), max(z, b.k1))
-        return out
+                by_flags.setdefault((b.causal, b.window), []).append(((b.q0, b.q1, b.k0, b.k1), s.doc))
+        calls, slots, at = [], [], 0
+        for key, got in sorted(by_flags.items(), key=str):
+            doc_of = {pair[:2]: doc for pair, doc in got}
+            for run in q_runs([pair for pair, _ in got]):
+                pairs = []
+                for q0, q1, k0, k1 in run:
+                    slots.append((doc_of[(q0, q1)], k0, k1, at))
+                    pairs.append((q0, q1, at, at + k1 - k0))
+                    at += k1 - k0
+                calls.append(VarlenCall(tuple(pairs), *key, False))
+        filled, copies = _slots_of(slots)
+        moves = []
+        for doc, a, b, row in (slots[i] for i in filled):
+            for src, s in self._doc_segments(doc):
+                x, y = max(a, s.pos), min(b, s.pos + s.length)
+                if x < y:
+                    moves.append(Move(src, s.local + x - s.pos, y - x, row + x - a))
+        return GroupLayout(tuple(calls), at, tuple(moves), tuple(copies))
 
     @cached_method
-    def sent(self, g: int, src: int, dst: int) -> tuple:
-        """``src``'s segments of group ``g``'s documents that ``dst`` needs (overlapping a key range
-        of :meth:`needs`; ``src == dst`` included), in ``src``'s local order."""
-        need = self.needs(dst)
-        out = []
-        for s in self.group_segments(src, g):
-            r = need.get(s.doc)
-            if r is not None and s.pos < r[1] and s.pos + s.length > r[0]:
-                out.append(s)
-        return tuple(out)
+    def sends(self, rank: int, g: int) -> tuple[tuple[int, int, int], ...]:
+        """``(dst, local row, n)`` of every move ``rank`` makes in group ``g``: each receiver's
+        moves from it, in the receiver's order (so the k-th send to a rank fills its k-th receive
+        from this one)."""
+        return tuple((dst, m.src_row, m.n) for dst in range(self.world_size)
+                     for m in self.layout(dst, g).moves if m.src == rank)
+
+    def group_calls(self, rank: int, g: int) -> tuple[VarlenCall, ...]:
+        return self.layout(rank, g).calls
 
     @cached_method
-    def send_rows(self, rank: int, g: int) -> tuple[int, ...]:
-        """Rows ``rank`` sends each rank (rank order) in group ``g``'s exchange."""
-        return tuple(sum(s.length for s in self.sent(g, rank, dst)) for dst in range(self.world_size))
-
-    @cached_method
-    def recv_rows(self, rank: int, g: int) -> tuple[int, ...]:
-        """Rows ``rank`` receives from each rank (rank order) in group ``g``'s exchange."""
-        return tuple(sum(s.length for s in self.sent(g, src, rank)) for src in range(self.world_size))
-
-    @cached_method
-    def exchange_sizes(self, rank: int, g: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(send, receive)`` element counts a rank (rank order) of group ``g``'s K/V exchange,
-        rows of ``width`` elements (the dK/dV return swaps them)."""
-        return (tuple(n * width for n in self.send_rows(rank, g)),
-                tuple(n * width for n in self.recv_rows(rank, g)))
-
-    @cached_method
-    def send_index(self, rank: int, g: int, device: torch.device) -> torch.Tensor:
-        """int64 local rows ``rank`` sends in group ``g``'s exchange, destination by destination
-        (a row sent to several ranks appears once for each: their dK/dV come back and add)."""
-        segs = [s for dst in range(self.world_size) for s in self.sent(g, rank, dst)]
-        if not segs:
-            return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(device)
-
-    @cached_method
-    def _doc_pieces(self, rank: int, g: int) -> dict[int, list[tuple[int, int, int]]]:
-        """Per document of group ``g`` that ``rank`` needs, the pieces it receives in document
-        order: (pos, length, row of its receive buffer; source-major, each source's rows in the
-        source's local order)."""
-        out: dict[int, list] = {}
+    def own_moves_tile(self, rank: int) -> bool:
+        """Whether ``rank``'s moves to itself, over all groups, cover each of its travelling rows
+        exactly once (so its dK/dV can start as a copy of its own slots' gradients; causal masks
+        always: a piece's keys are in its own slot)."""
+        spans = sorted((m.src_row, m.n) for g in range(len(self.groups)) for m in self.layout(rank, g).moves
+                       if m.src == rank)
         at = 0
-        for src in range(self.world_size):
-            for s in self.sent(g, src, rank):
-                out.setdefault(s.doc, []).append((s.pos, s.length, at))
-                at += s.length
-        return {doc: sorted(p) for doc, p in out.items()}
-
-    def _runs(self, rank: int, g: int, doc: int, a: int, b: int) -> tuple[tuple[int, int], ...]:
-        """Document ``doc``'s key positions ``[a, b)`` as runs (received row, length)."""
-        runs = []
-        for pos, n, row in self._doc_pieces(rank, g)[doc]:
-            lo, hi = max(a, pos), min(b, pos + n)
-            if lo < hi:
-                runs.append((row + lo - pos, hi - lo))
-        return tuple(runs)
+        for row, n in spans:
+            if row != at:
+                return False
+            at += n
+        return at == self.travel_rows(rank)
 
     @cached_method
     def home_calls(self, rank: int) -> tuple[VarlenCall, ...]:
@@ -206,96 +229,47 @@ class AllGatherSchedule(PackSchedule):
         return tuple(VarlenCall(tuple(sorted(p)), *key, True) for key, p in sorted(groups.items(), key=str))
 
     @cached_method
-    def group_calls(self, rank: int, g: int) -> tuple[GatheredCall, ...]:
-        """The rank's pieces of group ``g``'s documents against their documents' keys up to them,
-        cut into calls of contiguous query rows (:func:`~.varlen.q_runs`: a part-0 and a part-1 run)."""
-        lo, hi = global_band(self.causal, self.window)
-        groups: dict[tuple, list] = {}
-        for s in self.group_segments(rank, g):
-            b = band_block((s.local, s.pos, s.length), (0, 0, self.pack.doc_lengths[s.doc]), lo, hi)
-            if b is not None:
-                groups.setdefault((b.causal, b.window), []).append(((b.q0, b.q1, b.k0, b.k1), s.doc))
-        out = []
-        for key, got in sorted(groups.items(), key=str):
-            doc_of = {pair[:2]: doc for pair, doc in got}
-            for run in q_runs([pair for pair, _ in got]):
-                out.append(GatheredCall(run, *key, False,
-                                        tuple(self._runs(rank, g, doc_of[p[:2]], p[2], p[3]) for p in run)))
-        return tuple(out)
-
-    @cached_method
     def blocks(self, rank: int) -> tuple[VarlenCall, ...]:
         """Every call of ``rank``: its home calls, then each group's."""
         return self.home_calls(rank) + tuple(c for g in range(len(self.groups)) for c in self.group_calls(rank, g))
 
 
-@dataclass(frozen=True)
-class GatheredCall(VarlenCall):
-    """A call of travelling documents: its key rows (``pairs``' k ranges are key positions in
-    each pair's document) read from the rows one group's exchange delivered (source-major):
-    ``k_runs`` holds, per pair, its (received row, length) runs. Each received row is ``[k | v]``
-    (:func:`kv_views`), so the held K and V are two strided views of one buffer, one index serves
-    both and the keys are gathered once a call, straight from what arrived; dK/dV go back by the
-    same index into the group's return buffer, laid out alike (:class:`~ringfa4.kernels.spec.RowsAt`)."""
-
-    k_runs: tuple[tuple[tuple[int, int], ...], ...] = ()
-    k_contiguous: ClassVar[bool] = False
-
-    def _key_index(self, device: torch.device) -> torch.Tensor:
-        return torch.cat([torch.arange(row, row + n) for runs in self.k_runs for row, n in runs]).to(device)
-
-
-def row_width(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-    """Elements of one K row and of one V row (``h_kv x d``, ``h_kv x d_v``)."""
-    return math.prod(k.shape[1:]), math.prod(v.shape[1:])
-
-
-def kv_rows(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``(n, wk + wv)`` rows ``[k | v]`` of the local rows ``index`` (a send buffer, k's dtype)."""
-    wk, wv = row_width(k, v)
-    buf = torch.empty((index.numel(), wk + wv), dtype=k.dtype, device=k.device)
-    torch.index_select(k.reshape(k.shape[0], wk), 0, index, out=buf[:, :wk])
-    torch.index_select(v.reshape(v.shape[0], wv), 0, index, out=buf[:, wk:])
-    return buf
-
-
-def kv_views(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(K, V)`` shaped like ``k`` / ``v`` rows: strided views of ``[k | v]`` rows (a 1-D buffer
-    of them, or ``(n, wk + wv)``)."""
-    wk, wv = row_width(k, v)
-    rows = rows.view(-1, wk + wv)
-    n = rows.shape[0]
-    return rows[:, :wk].view((n,) + tuple(k.shape[1:])), rows[:, wk:].view((n,) + tuple(v.shape[1:]))
-
-
-def _exchange_start(run, ks, vs, g: int):
-    """Group ``g``'s K/V exchange posted: each local rank sends every rank the pieces of the
-    group's documents that its rows see (:meth:`AllGatherSchedule.sent`), as ``[k | v]`` rows."""
-    sched = run.schedule
-    sends, send_n, recv_n = [], [], []
-    for k, v, r in zip(ks, vs, run.ranks):
-        sends.append(kv_rows(k, v, sched.send_index(r, g, k.device)).view(-1))
-        sizes = sched.exchange_sizes(r, g, sum(row_width(k, v)))
-        send_n.append(sizes[0])
-        recv_n.append(sizes[1])
-    return run.transport.exchange_start(sends, send_n, recv_n, "the K/V exchange")
+def _rows(x: torch.Tensor, a: int, n: int) -> torch.Tensor:
+    return x.narrow(0, a, n)
 
 
 class _Arriving:
-    """The gather groups in order as ``(g, held K/V per local rank)``: group 0's exchange posted
+    """The gather groups in order as ``(g, (K, V) buffers per local rank)``: group 0's moves posted
     at once (the caller computes the home calls meanwhile), group ``g + 1``'s posted before group
-    ``g`` is handed out, so it is in flight while ``g`` computes."""
+    ``g`` is handed out, so they are in flight while ``g`` computes."""
 
     def __init__(self, run, ks, vs) -> None:
         self.run, self.ks, self.vs, self.n = run, ks, vs, len(run.schedule.groups)
-        self.pending = _exchange_start(run, ks, vs, 0) if self.n else None
+        self.pending = self._post(0) if self.n else None
+
+    def _post(self, g: int):
+        """Group ``g``'s K/V moves posted: each rank's K/V rows sent straight from its ``k`` / ``v``
+        into the receivers' group buffers (``(rows, h_kv, d)``, like ``k`` / ``v``)."""
+        sched, sends, recvs, held = self.run.schedule, [], [], []
+        for k, v, r in zip(self.ks, self.vs, self.run.ranks):
+            lay = sched.layout(r, g)
+            kv = (k.new_empty((lay.rows,) + tuple(k.shape[1:])), v.new_empty((lay.rows,) + tuple(v.shape[1:])))
+            held.append(kv)
+            recvs.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves for x in kv])
+            sends.append([(dst, _rows(x, row, n)) for dst, row, n in sched.sends(r, g) for x in (k, v)])
+        return held, self.run.transport.move_start(sends, recvs, "the K/V exchange")
 
     def __iter__(self):
         for g in range(self.n):
-            kv = [kv_views(x, self.ks[0], self.vs[0]) for x in self.run.transport.finish(self.pending)]
-            self.pending = _exchange_start(self.run, self.ks, self.vs, g + 1) if g + 1 < self.n else None
-            yield g, kv
-            del kv
+            held, pending = self.pending
+            self.run.transport.finish(pending)
+            for kv, r in zip(held, self.run.ranks):
+                for row, frm, n in self.run.schedule.layout(r, g).copies:
+                    for x in kv:
+                        _rows(x, row, n).copy_(_rows(x, frm, n))
+            self.pending = self._post(g + 1) if g + 1 < self.n else None
+            yield g, held
+            del held
 
 
 def allgather_forward(run, qs, ks, vs):
@@ -325,8 +299,8 @@ def allgather_forward(run, qs, ks, vs):
 
     arriving = _Arriving(run, ks, vs)
     compute(sched.home_calls, lambda i: (ks[i], vs[i]))
-    for g, kv in arriving:
-        compute(lambda r, g=g: sched.group_calls(r, g), lambda i, kv=kv: kv[i])
+    for g, held in arriving:
+        compute(lambda r, g=g: sched.group_calls(r, g), lambda i, held=held: held[i])
     if run.sinks is not None:  # once, on the final rows
         for i, q in enumerate(qs):
             apply_sinks_(outs[i], lses[i], run.sinks)
@@ -336,56 +310,79 @@ def allgather_forward(run, qs, ks, vs):
 
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     """Same contract as :func:`ring_backward`: each group's travelling dK/dV go back to their
-    owners by one exchange (the K/V exchange reversed: every rank returns the fp32 gradients of
-    the rows it received), posted once the group's blocks are queued (it overlaps the next group),
-    and each owner adds what comes back by its send index; a balanced pack's whole documents'
-    dK/dV stay home. Blocks add their fp32 dK/dV by their key index straight into the group's
-    return buffer (``[dk | dv]`` rows laid out as the received K/V rows). The rows that never
-    travel as in the ring (:class:`~.ring.home_grads.HomeGrads`: a direct home call's own final
-    gradients, else fp32 accumulators that stay home)."""
+    owners by the group's moves reversed (every rank returns the fp32 gradients of the slot rows
+    it received; its own rows it adds in place), posted once the group's blocks are queued (they
+    overlap the next group), and each owner adds what comes back into its rows; a balanced pack's
+    whole documents' dK/dV stay home. Blocks add their fp32 dK/dV straight into the group's
+    gradient buffers, laid out as its K/V buffers (contiguous key rows a call), and a copied slot's
+    gradients fold into the slot it was copied from. The rows that never travel as in the ring
+    (:class:`~.ring.home_grads.HomeGrads`: a direct home call's own final gradients, else fp32
+    accumulators that stay home)."""
     sched = run.schedule
     acc = torch.float64 if qs[0].dtype == torch.float64 else torch.float32
     fp32 = run.options.fp32_grads and qs[0].dtype != acc
-    rows = HomeGrads(run, qs, ks, vs, sched.blocks)
+    rows = HomeGrads(run, qs, ks, vs, sched.blocks, dq_once=True)
+    dq_written = [Written(dq) for dq in rows.dqs]
+    copy_own = [sched.own_moves_tile(r) for r in run.ranks]
+    travelled = [tuple((torch.empty if copy_own[i] else torch.zeros)(
+        (sched.travel_rows(r),) + tuple(x.shape[1:]), dtype=acc, device=x.device) for x in (ks[i], vs[i]))
+        for i, r in enumerate(run.ranks)]  # dk, dv of the travelling rows
 
-    def block(i, call, held, dst):
+    def block(i, call, held, dst, write: bool):
+        """Call ``call``'s gradients: dq written (every row in one call); dK/dV written into
+        ``dst``'s rows (a group's slots: one call each) or, for the home accumulators, added."""
         tensors = (douts[i], qs[i], *held, outs[i], lses[i])
         if rows.backward(i, call, tensors):
             return
-        kept = calls.backward_fp32(run.backend, call, tensors, run.spec, rows.dqs[i], dst) if fp32 else None
-        if kept is None:
-            g = calls.backward(run.backend, call, tensors, run.spec)
-            call.add_q(rows.dqs[i], g[0])
-            kept = g[1:]
-        if kept:
-            call.add_k(dst[0], kept[0])
-            call.add_k(dst[1], kept[1])
+        dkv = tuple(Written(x) for x in dst) if write else dst
+        if fp32 and calls.backward_fp32(run.backend, call, tensors, run.spec, dq_written[i], dkv) is not None:
+            return
+        g = calls.backward(run.backend, call, tensors, run.spec)
+        call.put_q(rows.dqs[i], g[0])
+        for x, gx in zip(dst, g[1:]):
+            if write:
+                call.k_rows(x).copy_(gx)
+            else:
+                call.add_k(x, gx)
 
     arriving, returning = _Arriving(run, ks, vs), []
     for i, r in enumerate(run.ranks):
         for call in sched.home_calls(r):
-            block(i, call, (ks[i], vs[i]), rows.homes[i])
-    for g, kv in arriving:
-        grads, send_n, recv_n = [], [], []
+            block(i, call, (ks[i], vs[i]), rows.homes[i], False)
+    for g, held in arriving:
+        sends, recvs, staged = [], [], []
         for i, r in enumerate(run.ranks):
-            w = sum(row_width(ks[i], vs[i]))
-            flat = torch.zeros(sum(sched.recv_rows(r, g)) * w, dtype=acc, device=ks[i].device)
-            dkv = kv_views(flat, ks[i], vs[i])
-            for call in sched.group_calls(r, g):
-                block(i, call, kv[i], dkv)
-            grads.append(flat)
-            sizes = sched.exchange_sizes(r, g, w)
-            send_n.append(sizes[1])
-            recv_n.append(sizes[0])
-        del kv  # (the next group's K/V already arriving)
-        returning.append(run.transport.exchange_start(grads, send_n, recv_n, "the dK/dV exchange"))
-    travelled = [torch.zeros((sched.travel_rows(r), sum(row_width(ks[i], vs[i]))), dtype=acc, device=ks[i].device)
-                 for i, r in enumerate(run.ranks)]  # [dk | dv] rows, as they come back
-    for g, p in enumerate(returning):
-        for i, (r, back) in enumerate(zip(run.ranks, run.transport.finish(p))):
-            # index_put_'s sorted accumulate: deterministic, and on the H200 1.8x torch's index_add_ on
-            # these wide rows (20k rows of 2048 fp32 into 8k: 160 against 294 us)
-            travelled[i].index_put_((sched.send_index(r, g, ks[i].device),), back.view(-1, travelled[i].shape[1]),
-                                    accumulate=True)
-    got = [rows.dkv(i, *kv_views(t, ks[i], vs[i])) for i, t in enumerate(travelled)]
+            lay = sched.layout(r, g)
+            grads = tuple(torch.empty(x.shape, dtype=acc, device=x.device) for x in held[i])
+            for call in lay.calls:
+                block(i, call, held[i], grads, True)
+            for row, frm, n in lay.copies:  # a copied slot's gradients into the slot it came from
+                for x in grads:
+                    _rows(x, frm, n).add_(_rows(x, row, n))
+            sends.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves if m.src != r for x in grads])
+            for m in lay.moves:
+                if m.src == r:  # its own rows: in place
+                    for t, x in zip(travelled[i], grads):
+                        dst, src = _rows(t, m.src_row, m.n), _rows(x, m.slot_row, m.n)
+                        dst.copy_(src) if copy_own[i] else dst.add_(src)
+            back = [(dst, row, n) for dst, row, n in sched.sends(r, g) if dst != r]
+            stage = tuple(torch.empty((sum(n for _, _, n in back),) + tuple(t.shape[1:]), dtype=acc, device=t.device)
+                          for t in travelled[i])
+            at, got = 0, []
+            for dst, _, n in back:
+                got += [(dst, _rows(x, at, n)) for x in stage]
+                at += n
+            recvs.append(got)
+            staged.append((back, stage))
+        del held  # (the next group's K/V already arriving)
+        returning.append((run.transport.move_start(sends, recvs, "the dK/dV exchange"), staged))
+    for pending, staged in returning:
+        run.transport.finish(pending)
+        for i, (back, stage) in enumerate(staged):
+            at = 0
+            for _, row, n in back:
+                for t, x in zip(travelled[i], stage):
+                    _rows(t, row, n).add_(_rows(x, at, n))
+                at += n
+    got = [rows.dkv(i, dk, dv) for i, (dk, dv) in enumerate(travelled)]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]

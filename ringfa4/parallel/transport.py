@@ -6,10 +6,10 @@ tensor, or a tuple of tensors sent as pieces: piece j of a send lands in piece j
 same sizes on every rank); ``wait``
 makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
 communication stream that first waits for the compute stream, so producers are done and earlier
-readers of ``recv`` have finished. ``exchange_start`` (the all-gather mode's collective: an
-all-to-all of uneven chunks, each rank sending every other rank just the rows it needs) posts and
-``finish`` waits, so the all-gather mode computes one group of documents while the next group's
-K/V arrive.
+readers of ``recv`` have finished. ``move_start`` (the all-gather mode's exchange: any number of
+row ranges sent straight from where they are to where their receiver computes with them, each rank
+sending every other rank just the rows it needs) posts and ``finish`` waits, so the all-gather mode
+computes one group of documents while the next group's K/V arrive.
 
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
   ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["LoopbackTransport", "P2PTransport", "Pending", "Transport"]
+__all__ = ["LoopbackTransport", "Moves", "P2PTransport", "Pending", "Transport"]
 
 
 def _pieces(x) -> tuple[torch.Tensor, ...]:
@@ -46,12 +46,31 @@ class _Handle:
 
 
 class Pending:
-    """A collective in flight (:meth:`Transport.exchange_start`): its
-    per-local-rank ``result`` tensors, valid on the compute stream after :meth:`Transport.finish`."""
+    """Transfers in flight (:meth:`Transport.move_start`): the receive tensors are valid on the
+    compute stream after :meth:`Transport.finish`; ``unstage`` (gloo) copies the received bytes
+    into them there."""
 
-    def __init__(self, result: list[torch.Tensor], works=(), what: str = "", event=None,
-                 device: torch.device | None = None) -> None:
-        self.result, self.works, self.what, self.event, self.device = result, list(works), what, event, device
+    def __init__(self, works=(), what: str = "", event=None, device: torch.device | None = None,
+                 unstage=None) -> None:
+        self.works, self.what, self.event, self.device, self.unstage = list(works), what, event, device, unstage
+
+
+Moves = list[list[tuple[int, torch.Tensor]]]  # per local rank: (peer rank, tensor), in order
+
+
+def _matched(sends: Moves, recvs: Moves, ranks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(receive, send)`` tensor pairs of local ranks ``ranks`` (list index i is rank ``ranks[i]``):
+    the k-th send of ``a`` to ``b`` fills the k-th receive of ``b`` from ``a``."""
+    at = {r: i for i, r in enumerate(ranks)}
+    out = []
+    for j, got in enumerate(recvs):
+        taken: dict[int, int] = {}
+        for src, t in got:
+            k = taken.get(src, 0)
+            taken[src] = k + 1
+            src_sends = [x for dst, x in sends[at[src]] if dst == ranks[j]]
+            out.append((t, src_sends[k]))
+    return out
 
 
 class Transport:
@@ -96,21 +115,22 @@ class Transport:
     def wait(self, handle: _Handle) -> None:
         raise NotImplementedError
 
-    def exchange_start(self, sends: list[torch.Tensor], send_sizes: list[tuple[int, ...]],
-                       recv_sizes: list[tuple[int, ...]], what: str = "an exchange") -> Pending:
-        """An all-to-all of uneven chunks, posted, not waited for (the compute stream may queue
-        other work before :meth:`finish`). Per local rank ``i``: ``sends[i]`` (1-D) is cut into
-        ``send_sizes[i]`` (elements, one entry a rank of the group, in rank order) and chunk ``j``
-        goes to rank ``j``; its result is one 1-D tensor of the chunks it receives, in source-rank
-        order, ``recv_sizes[i]`` elements each (what ``i`` sends ``j`` is what ``j`` expects from
-        ``i``: the schedule computes both sides). ``what`` names it in errors."""
+    def move_start(self, sends: Moves, recvs: Moves, what: str = "an exchange") -> Pending:
+        """Tensors moved between ranks, posted, not waited for (the compute stream may queue other
+        work before :meth:`finish`). Per local rank ``i``: ``sends[i]`` lists ``(dst, tensor)`` and
+        ``recvs[i]`` ``(src, tensor)`` (a rank may name itself); between two ranks the k-th send
+        fills the k-th receive, of the same dtype and size (the schedule computes both sides).
+        Sends are read where they are (views: no staging copy over NCCL or the loopback);
+        receives are written in place. ``what`` names it in errors."""
         raise NotImplementedError
 
-    def finish(self, pending: Pending) -> list[torch.Tensor]:
-        """The collective's result, the compute stream (or the CPU) made to wait for it."""
+    def finish(self, pending: Pending) -> None:
+        """The compute stream (or the CPU) made to wait for the moves; their receives are then valid."""
         if pending.event is not None:
             self.current_stream(pending.device).wait_event(pending.event)
-        return pending.result
+        if pending.unstage is not None:
+            pending.unstage()
+            pending.unstage = None
 
 
 class LoopbackTransport(Transport):
@@ -150,42 +170,34 @@ class LoopbackTransport(Transport):
         if handle.event is not None:
             self.current_stream(handle.device).wait_event(handle.event)
 
-    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
-        """Every rank local (list index = rank): receiver ``j``'s buffer is the concatenation of
-        every sender's chunk ``j``, one ``cat`` a receiver, on the communication stream."""
-        chunks = [s.split(list(n)) for s, n in zip(sends, send_sizes, strict=True)]
-        totals = [sum(n) for n in recv_sizes]
-        out = torch.empty(sum(totals), dtype=sends[0].dtype, device=sends[0].device)
-        views = list(out.split(totals))
-
-        def write():
-            for j, view in enumerate(views):
-                if view.numel():
-                    torch.cat([c[j] for c in chunks], out=view)
-        stream = self.comm_stream(out.device)
+    def move_start(self, sends, recvs, what="an exchange"):
+        """Every rank local (list index = rank): each receive copied from its matching send on the
+        communication stream."""
+        pairs = _matched(sends, recvs, list(range(len(recvs))))
+        if not pairs:
+            return Pending()
+        device = pairs[0][0].device
+        stream = self.comm_stream(device)
         if stream is None:
-            write()
-            return Pending(views)
-        return self._post(stream, out, write, sends, views)
-
-    def _post(self, stream, out: torch.Tensor, write, inputs: list[torch.Tensor], result: list) -> Pending:
-        """``write()`` (filling ``out``, made on the compute stream) on the communication stream after
-        the compute stream's queued work and the delay; ``poison`` fills ``out`` with NaN first on the
-        compute stream, so a read that skips :meth:`finish` sees it. Inputs and ``out`` are kept
-        from the allocator until the communication stream is past them."""
+            for dst, src in pairs:
+                dst.copy_(src)
+            return Pending()
         if self.poison:
-            out.fill_(math.nan)
+            for dst, _ in pairs:
+                dst.fill_(math.nan)
         event = torch.cuda.Event()
 
         def post():
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            write()
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event.record(stream)
-        self.on_stream(stream, out.device, post)
-        for t in (*inputs, out):
-            t.record_stream(stream)
-        return Pending(result, event=event, device=out.device)
+        self.on_stream(stream, device, post)
+        for dst, src in pairs:  # kept from the allocator until the communication stream is past them
+            dst.record_stream(stream)
+            src.record_stream(stream)
+        return Pending(event=event, device=device)
 
 
 class P2PTransport(Transport):
@@ -207,6 +219,7 @@ class P2PTransport(Transport):
         self.cp_ranks = cp_ranks or list(range(world_size))
         self.call = 0  # the sequence number the hops belong to (set by the CP group per call)
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
+        self._warm = False  # NCCL communicator made (move_start)
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -253,16 +266,67 @@ class P2PTransport(Transport):
                 piece.copy_(staged[at:at + n].clone().view(piece.dtype).view(piece.shape))
                 at += n
 
-    def exchange_start(self, sends, send_sizes, recv_sizes, what="an exchange"):
-        """One ``all_to_all_single`` with uneven sizes (over gloo as bytes, whatever the dtype)."""
-        (s,), (ss,), (rs,) = sends, send_sizes, recv_sizes
-        out = s.new_empty(sum(rs))
-        a, b, ins, outs = s, out, list(ss), list(rs)
+    def move_start(self, sends, recvs, what="an exchange"):
+        """Over NCCL, one ``batch_isend_irecv`` of every send and receive on the communication stream
+        (NCCL matches a pair's operations in order), a rank's moves to itself copied there; over
+        gloo, one ``all_to_all_single`` of bytes (the sends staged in rank order, the receives
+        unstaged at :meth:`finish`)."""
+        (out,), (got,) = sends, recvs
+        me = self.rank
         if self.gloo:
-            e = s.element_size()
-            a, b, ins, outs = s.view(torch.uint8), out.view(torch.uint8), [n * e for n in ss], [n * e for n in rs]
-        work = dist.all_to_all_single(b, a, outs, ins, group=self.group, async_op=True)
-        return Pending([out], [work], what)
+            return self._move_gloo(out, got, what)
+        if not self._warm:  # NCCL: the group's communicator made by all ranks together (every rank calls
+            # move_start alike), before a batch that some ranks take no part in
+            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=self.group)
+            self._warm = True
+        local = _matched([out], [[(s, t) for s, t in got if s == me]], [me])
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(dst), self.group) for dst, t in out if dst != me]
+        ops += [dist.P2POp(dist.irecv, t, self._global(src), self.group) for src, t in got if src != me]
+        if not ops and not local:
+            return Pending(what=what)
+        device = (out or got)[0][1].device
+        stream, works = self.comm_stream(device), []
+
+        def post():
+            for dst, src in local:
+                dst.copy_(src, non_blocking=True)
+            if ops:
+                works.extend(dist.batch_isend_irecv(ops))
+        if stream is None:
+            post()
+            return Pending(works, what)
+        event = torch.cuda.Event()
+
+        def post_then_mark():
+            post()
+            event.record(stream)
+        self.on_stream(stream, device, post_then_mark)
+        for dst, src in local:
+            dst.record_stream(stream)
+            src.record_stream(stream)
+        return Pending(works, what, event=event, device=device)
+
+    def _move_gloo(self, out, got, what: str) -> Pending:
+        def to_bytes(t):
+            return t.contiguous().reshape(-1).view(torch.uint8)
+        by_dst = [[t for d, t in out if d == j] for j in range(self.world_size)]
+        send = [to_bytes(t) for ts in by_dst for t in ts]
+        device = (out or got)[0][1].device if out or got else None
+        flat = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=device)
+        sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in by_dst]
+        recv_sizes = [sum(t.numel() * t.element_size() for s, t in got if s == j) for j in range(self.world_size)]
+        staged = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=flat.device)
+        work = dist.all_to_all_single(staged, flat, recv_sizes, sizes, group=self.group, async_op=True)
+        order = sorted(range(len(got)), key=lambda i: got[i][0])  # stable: each source's receives in order
+
+        def unstage():
+            at = 0
+            for i in order:
+                t = got[i][1]
+                n = t.numel() * t.element_size()
+                t.copy_(staged[at:at + n].clone().view(t.dtype).view(t.shape))
+                at += n
+        return Pending([work], what, unstage=unstage)
 
     def finish(self, pending):
         """Each collective's wait watched by the error channel (a dead or failed rank ends it, named);
@@ -270,4 +334,4 @@ class P2PTransport(Transport):
         for work in pending.works:
             self._wait(work, pending.what, None)
         pending.works = []
-        return pending.result
+        super().finish(pending)

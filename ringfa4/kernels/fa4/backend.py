@@ -22,7 +22,7 @@ import torch
 
 from ..eager import eager_boundary
 from ..sinks import apply_sinks_
-from ..spec import AttnSpec, BackendUnsupported, check_grads, materialized
+from ..spec import AttnSpec, BackendUnsupported, Written, check_grads, materialized
 from ..validate import known_empty_segment, validate_block, validate_varlen
 from .launch import PlanCache, aligned, signature
 
@@ -229,8 +229,8 @@ class Fa4Backend:
                             out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
         """:meth:`backward`'s block gradients added into ``grads = (dq_acc, dk_acc, dv_acc)`` float32
-        (like q / k / v; views with last-dim stride 1; dk / dv may be :class:`~ringfa4.kernels.spec.RowsAt`: varlen
-        blocks add their rows by its index in the unpad pass), never rounded to bf16: varlen blocks through
+        (like q / k / v; views with last-dim stride 1; any may be a :class:`~ringfa4.kernels.spec.Written`: varlen
+        blocks then write their rows in the unpad pass), never rounded to bf16 before the sum: varlen blocks through
         :mod:`.varlen_bwd` (FA4's varlen backward into padded fp32 accumulators, gathered once),
         dense blocks through :mod:`.bwd_accum` (one preprocess, the main kernel, dq gathered in
         fp32). ``out`` / ``dout`` may be fp32 (cast to q's dtype for FA4's preprocess, as in
@@ -268,12 +268,16 @@ class Fa4Backend:
             state = acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(d), softcap=float(spec.softcap))
         except (ValueError, AssertionError):
             return False
-        (dk_acc, dk_rows), (dv_acc, dv_rows) = materialized(dk_acc), materialized(dv_acc)
+        (dk_acc, dk_w), (dv_acc, dv_w) = materialized(dk_acc), materialized(dv_acc)
         acc.accumulate(state, k, v, dk_acc, dv_acc, causal=spec.causal, window=(spec.window_left, spec.window_right))
-        dq_acc.add_(acc.finish(state, torch.float32))
-        for rows, got in ((dk_rows, dk_acc), (dv_rows, dv_acc)):
-            if rows is not None:
-                rows.add_(got)
+        dq = acc.finish(state, torch.float32)
+        if isinstance(dq_acc, Written):
+            dq_acc.put_(dq)
+        else:
+            dq_acc.add_(dq)
+        for written, got in ((dk_w, dk_acc), (dv_w, dv_acc)):
+            if written is not None:
+                written.put_(got)
         return True
 
     def can_forward_merge(self, q: torch.Tensor, v: torch.Tensor) -> bool:

@@ -6,7 +6,9 @@ tile of ``tile`` rows the element (row ``p % tile``, column ``c < d``) is at fla
 ``order[(p % tile) * d + c]`` (FA4's in-tile order, read from its own postprocess). This kernel
 does ``acc[i, h, c] += scale * accum[h, (p // tile) * tile * d_r + order[...]]`` in one pass: it
 reads the accumulator and the destination once and writes the destination once, where torch needs
-an int64 index of every element, a gathered copy and a strided add (about 2.3x the bytes).
+an int64 index of every element, a gathered copy and a strided add (about 2.3x the bytes). Its
+``store`` form writes ``scale * accum[...]`` in the destination's dtype without reading it (rows
+that one block alone contributes to: :class:`~ringfa4.kernels.spec.Written`).
 Runs under ``TRITON_INTERPRET=1`` on the CPU, which is how CI tests it.
 """
 
@@ -25,9 +27,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def unpad_add_kernel(ACC, ACCUM, PROW, ORDER, DROW, n_rows, D, scale,
+    def unpad_add_kernel(ACC, ACCUM, PROW, ORDER, n_rows, D, scale,
                          s_row, s_head, s_ahead, TILE: tl.constexpr, TILE_ELEMS: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INDEXED: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         head = tl.program_id(1)
         rmask = rows < n_rows
@@ -38,26 +40,25 @@ def _kernel():
         mask2 = rmask[:, None] & (c < D)[None, :]
         offs = tl.load(ORDER + within[:, None] * D + c[None, :], mask=mask2, other=0)
         val = tl.load(ACCUM + head.to(tl.int64) * s_ahead + tile_base[:, None] + offs, mask=mask2, other=0.0)
-        if INDEXED:  # rows of a bigger accumulator, duplicates allowed: atomic adds
-            dst_rows = tl.load(DROW + rows, mask=rmask, other=0)
-            dst = ACC + dst_rows[:, None] * s_row + head * s_head + c[None, :]
-            tl.atomic_add(dst, scale * val, mask=mask2)
+        dst = ACC + rows.to(tl.int64)[:, None] * s_row + head * s_head + c[None, :]
+        if STORE:  # the rows written (in the destination's dtype), not read
+            tl.store(dst, (scale * val).to(ACC.dtype.element_ty), mask=mask2)
         else:
-            dst = ACC + rows.to(tl.int64)[:, None] * s_row + head * s_head + c[None, :]
             tl.store(dst, tl.load(dst, mask=mask2, other=0.0) + scale * val, mask=mask2)
 
     return unpad_add_kernel
 
 
 def unpad_add_triton_(acc: torch.Tensor, accum: torch.Tensor, prow: torch.Tensor, order: torch.Tensor,
-                      tile: int, d_r: int, scale: float, drow: torch.Tensor | None = None) -> bool:
+                      tile: int, d_r: int, scale: float, store: bool = False) -> bool:
     """``acc (total, heads, d) float32 += scale *`` the packed rows of ``accum (heads, pad * d_r)``
     float32 (contiguous), ``prow (total,)`` int64 padded rows, ``order (tile * d,)`` int64 in-tile
-    offsets (a tile holds ``tile * d_r`` elements). With ``drow (total,)`` int64, packed row ``i``
-    adds into ``acc[drow[i]]`` instead (``acc (n, heads, d)``, any n; duplicates add, atomically).
-    Returns False, doing nothing, where the inputs don't fit the kernel (``acc`` fp32 with last-dim
-    stride 1, ``accum`` contiguous fp32, d <= 256)."""
-    if acc.dim() != 3 or acc.dtype != torch.float32 or accum.dtype != torch.float32 or acc.stride(-1) != 1 or \
+    offsets (a tile holds ``tile * d_r`` elements). With ``store``, ``acc`` (float32, bfloat16 or
+    float16) gets them written instead, never read. Returns False, doing nothing, where the inputs
+    don't fit the kernel (``acc`` of those dtypes with last-dim stride 1, ``accum`` contiguous
+    fp32, d <= 256)."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if store else (torch.float32,)
+    if acc.dim() != 3 or acc.dtype not in dtypes or accum.dtype != torch.float32 or acc.stride(-1) != 1 or \
             not accum.is_contiguous() or acc.shape[-1] > 256 or accum.shape[0] != acc.shape[1]:
         return False
     import triton
@@ -69,7 +70,6 @@ def unpad_add_triton_(acc: torch.Tensor, accum: torch.Tensor, prow: torch.Tensor
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64, 4096 // block_d))
     grid = (triton.cdiv(total, block_r), heads)
-    _kernel()[grid](acc, accum, prow, order, prow if drow is None else drow, total, d, float(scale), acc.stride(0),
-                    acc.stride(1), accum.stride(0), TILE=tile, TILE_ELEMS=tile * d_r, BLOCK_R=block_r,
-                    BLOCK_D=block_d, INDEXED=drow is not None, num_warps=4)
+    _kernel()[grid](acc, accum, prow, order, total, d, float(scale), acc.stride(0), acc.stride(1), accum.stride(0),
+                    TILE=tile, TILE_ELEMS=tile * d_r, BLOCK_R=block_r, BLOCK_D=block_d, STORE=store, num_warps=4)
     return True

@@ -14,8 +14,9 @@ to bf16. Here its pieces run as it runs them, configured, not copied:
   over the documents' kv tiles and ``SeqlenInfoQK`` (per-document masks, padded offsets); dQ is
   reduce-added into the dq accumulator, dK / dV into zeroed fp32 ``(h_kv, total_k_pad * d_r)``
   accumulators in the same padded layout (``tile_n`` per document).
-* Once at the end of the block, the three fp32 accumulators are added into the caller's unpadded
-  ``dq_acc, dk_acc, dv_acc`` with the softmax scale on dQ / dK, each row read from the document's
+* Once at the end of the block, the three fp32 accumulators are added into (or, for a
+  :class:`~ringfa4.kernels.spec.Written`, written to) the caller's unpadded ``dq_acc, dk_acc,
+  dv_acc`` with the softmax scale on dQ / dK, each row read from the document's
   padded row in FA4's in-tile order (read from its own postprocess, see
   :func:`.bwd_accum._tile_order`): one fused pass each on CUDA (:mod:`.unpad_add_triton`), else
   an ``index_select`` and an add. Nothing is rounded below fp32.
@@ -35,7 +36,7 @@ import weakref
 
 import torch
 
-from ..spec import AttnSpec, RowsAt, check_grads
+from ..spec import AttnSpec, Written, check_grads
 from .bwd_accum import _CACHE, AccumKey, _arch, _tile_order
 from .bwd_plan import make_kernel, plan, supported
 
@@ -116,24 +117,24 @@ def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
 def _add_rows_(acc, accum: torch.Tensor, cu: torch.Tensor, tile: int, order: torch.Tensor, d_r: int,
                scale: float) -> None:
     """``acc (total, heads, d) += scale *`` the rows of FA4's padded accumulator ``(heads, pad *
-    d_r)`` (documents at ``cu``'s offsets, FA4's in-tile ``order``); ``acc`` may be a
-    :class:`~ringfa4.kernels.spec.RowsAt` (row ``i`` adds into ``base[index[i]]``). One fused Triton
-    pass on CUDA (:mod:`.unpad_add_triton`; atomic adds by the index), else a gather through the
-    flat index and an add."""
+    d_r)`` (documents at ``cu``'s offsets, FA4's in-tile ``order``); a
+    :class:`~ringfa4.kernels.spec.Written` ``acc`` gets them written instead (in its dtype). One
+    fused Triton pass on CUDA (:mod:`.unpad_add_triton`), else a gather through the flat index
+    and an add (or a copy)."""
     from .unpad_add_triton import unpad_add_triton_
 
-    indexed = isinstance(acc, RowsAt)
-    dst, drow = (acc.base, acc.index) if indexed else (acc, None)
-    total, d = acc.shape[0], acc.shape[2]
+    store = isinstance(acc, Written)
+    dst = acc.out if store else acc
+    total, d = dst.shape[0], dst.shape[2]
     if dst.is_cuda and unpad_add_triton_(dst, accum, _padded_rows_of(cu, total, tile), order, tile, d_r, scale,
-                                         drow):
+                                         store):
         return
     heads = accum.shape[0]
     rows = accum.index_select(1, _gather_index(cu, total, tile, order, d, d_r)).view(heads, total, d)
-    if indexed:
-        acc.add_(rows.permute(1, 0, 2).mul(scale))
+    if store:
+        dst.copy_(rows.permute(1, 0, 2).mul(scale))
     else:
-        acc.add_(rows.permute(1, 0, 2), alpha=scale)
+        dst.add_(rows.permute(1, 0, 2), alpha=scale)
 
 
 def _canonical(key: AccumKey, tensors: list, cu: tuple, tm: int, tn: int, d_r: int) -> tuple[list, tuple]:
@@ -175,8 +176,8 @@ def _compile(key: AccumKey, tensors: list, cu: tuple, scale: float, wl, wr):
 def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, spec: AttnSpec, grads: tuple) -> AccumKey | None:
     """One packed block's gradients added into ``grads = (dq_acc (total_q, h, d), dk_acc, dv_acc
-    (total_k, h_kv, d))`` float32 (views with last-dim stride 1; dk / dv may be
-    :class:`~ringfa4.kernels.spec.RowsAt`), from the merged ``out`` / ``dout``
+    (total_k, h_kv, d))`` float32 (views with last-dim stride 1; any may be a
+    :class:`~ringfa4.kernels.spec.Written`), from the merged ``out`` / ``dout``
     (like q; fp32 ones are cast to q's dtype, as FA4's preprocess requires) and ``lse (h, total_q)``
     float32, with ``spec``'s cu_seqlens / causal / window / softcap / softmax_scale. Every check runs
     before anything is written (a ValueError leaves the accumulators untouched). Returns the main
@@ -190,6 +191,9 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         raise ValueError(f"fa4.varlen_bwd cannot run sm{arch} {q.dtype} head_dim={d} (see can_implement)")
     wl, wr = spec.window_left, spec.window_right
     if total_q == 0 or total_k == 0:
+        for g in (dq_acc, dk_acc, dv_acc):
+            if isinstance(g, Written):  # no block: a written gradient is zero
+                g.out.zero_()
         return None
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import get_broadcast_dims, maybe_contiguous

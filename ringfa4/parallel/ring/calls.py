@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.merge import merge_lse_, merge_planes_
-from ...kernels.spec import AttnSpec, BlockBackend, RowsAt
+from ...kernels.spec import AttnSpec, BlockBackend, Written
 
 __all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "join_rows", "kv_heads",
            "kv_rows", "merge", "merge_planes", "merge_rows"]
@@ -93,38 +93,46 @@ def backward(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base
 
 
 def backward_fp32(backend: BlockBackend, blk, tensors: tuple[torch.Tensor, ...], base: AttnSpec,
-                  dq_acc: torch.Tensor, dkv_acc: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  dq_acc, dkv_acc: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The block's gradients kept in fp32 (the backend's ``backward_accumulate``): dq added into
     the rank's fp32 ``dq_acc`` (its rows; gathered and put back where they are not a view); dk / dv
-    added straight into ``dkv_acc = (dk_acc, dv_acc)`` (fp32, the held K/V's rows) where given (its
-    rows where the block's key rows are a view, else by the block's key index, as
-    :class:`~ringfa4.kernels.spec.RowsAt`; then ``()`` is returned), else returned as fresh fp32
+    added straight into ``dkv_acc = (dk_acc, dv_acc)`` (fp32, the held K/V's rows; the block's
+    key rows must be a view) where given (then ``()`` is returned), else returned as fresh fp32
     tensors of the block's kv rows (the caller adds them: :meth:`add_k`); None, touching nothing,
-    where the backend cannot (the caller then uses :func:`backward`). ``tensors`` as for
+    where the backend cannot (the caller then uses :func:`backward`). Any of ``dq_acc`` and
+    ``dkv_acc`` may be a :class:`~ringfa4.kernels.spec.Written` of the whole tensor: the block's
+    rows are then written (the block is their only contribution). ``tensors`` as for
     :func:`backward`."""
     dout, q, k, v, out, lse = tensors
     l = blk.lse_rows(lse)
     if blk.token_dim == 0:
         l = l.contiguous()
     kb, vb = blk.k_rows(k), blk.k_rows(v)
-    dq = blk.q_rows(dq_acc) if blk.q_is_view else torch.zeros(blk.q_rows(q).shape, dtype=dq_acc.dtype,
-                                                               device=dq_acc.device)
-    direct = dkv_acc is not None
-    if direct and blk.k_is_view:
-        dk, dv = blk.k_rows(dkv_acc[0]), blk.k_rows(dkv_acc[1])
-    elif direct:  # gathered key rows: their gradients add back by the same index
-        index = blk.k_index(kb.device)
-        dk, dv = RowsAt(dkv_acc[0], index), RowsAt(dkv_acc[1], index)
+    dq_dst = dq_acc.out if isinstance(dq_acc, Written) else dq_acc
+    if blk.q_is_view:
+        dq = _rows_of(dq_acc, blk.q_rows)
     else:
-        dk = torch.zeros(kb.shape, dtype=dq_acc.dtype, device=kb.device)
-        dv = torch.zeros(vb.shape, dtype=dq_acc.dtype, device=vb.device)
+        dq = torch.zeros(blk.q_rows(q).shape, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+                         device=q.device)
+    direct = dkv_acc is not None
+    if direct:
+        if not blk.k_is_view:
+            raise ValueError("backward_fp32: gradients straight into dkv_acc need the block's key rows as a view")
+        dk, dv = _rows_of(dkv_acc[0], blk.k_rows), _rows_of(dkv_acc[1], blk.k_rows)
+    else:
+        dk = torch.zeros(kb.shape, dtype=dq.dtype, device=kb.device)
+        dv = torch.zeros(vb.shape, dtype=dq.dtype, device=vb.device)
     if not backend.backward_accumulate(blk.q_rows(dout), blk.q_rows(q), kb, vb, blk.q_rows(out), l,
                                        blk.spec(base, q.device), (dq, dk, dv)):
         return None
     if not blk.q_is_view:
-        blk.add_q(dq_acc, dq)
+        (blk.put_q if isinstance(dq_acc, Written) else blk.add_q)(dq_dst, dq)
     return () if direct else (dk, dv)
+
+
+def _rows_of(acc, rows):
+    """``rows(acc)``, a :class:`~ringfa4.kernels.spec.Written` kept written."""
+    return Written(rows(acc.out)) if isinstance(acc, Written) else rows(acc)
 
 
 def join_rows(head: torch.Tensor, tail: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,18 +20,20 @@ __all__ = ["HomeGrads"]
 
 class HomeGrads:
     """``blocks_of(rank)``: the calls whose ``home`` one is looked for. ``dqs[i]``: rank i's fp32 dq
-    accumulator; ``homes[i]``: its home rows' ``(dk, dv)`` fp32 accumulators or None; ``direct[i]``:
-    the direct call or None (:meth:`backward` runs it)."""
+    accumulator (zeroed), or with ``dq_once`` (every row in exactly one call, which writes it:
+    the all-gather mode) an unfilled one in q's dtype; ``homes[i]``: its home rows' ``(dk, dv)``
+    fp32 accumulators or None; ``direct[i]``: the direct call or None (:meth:`backward` runs it)."""
 
     def __init__(self, run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor],
-                 blocks_of) -> None:
+                 blocks_of, dq_once: bool = False) -> None:
         self.run, self.qs, self.ks, self.vs = run, qs, ks, vs
         acc, sched = acc_dtype(qs[0]), run.schedule
         self.direct = [direct_home(run, blocks_of(r), r) if sched.travel_rows(r) < sched.rows(r) else None
                        for r in run.ranks]
         self.finals: list = [None] * len(qs)  # the direct call's (dq, dk, dv) per local rank
-        self.dqs = [torch.zeros(q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=acc,
-                                device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
+        self.dqs = [(torch.empty if dq_once else torch.zeros)(
+            q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=q.dtype if dq_once else acc,
+            device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
         zeros = lambda x: torch.zeros(x.shape, dtype=acc, device=x.device)  # noqa: E731
         self.homes = [(zeros(k), zeros(v)) if sched.travel_rows(r) < sched.rows(r) and c is None else None
                       for k, v, r, c in zip(ks, vs, run.ranks, self.direct)]
