@@ -9,7 +9,7 @@
 #   bash benchmarks/compare_parent.sh BASE prec   ring_precision at P = 8 and 32: parent, this
 #   bash benchmarks/compare_parent.sh BASE host   host_cost.py (this tree's script on each tree's library): 4k
 #                                                 tokens a rank, P = 8, eager, host time only; parent, this
-#   bash benchmarks/compare_parent.sh BASE packed [MIXES]  varlen_sim.py (this tree's script on each tree's
+#   bash benchmarks/compare_parent.sh BASE packed [MIXES]  varlen_sim.py (each tree's own script on its
 #                                                 library): the balanced placement of MIXES (default
 #                                                 uniform_64k,tail_256k) at P = 8 and 4; parent, this
 #   bash benchmarks/compare_parent.sh BASE sim VAR=VALUE...   the parent's ring_sim with its RINGFA4_* variables
@@ -40,10 +40,10 @@ host() {  # the parent's library under this tree's host_cost.py (its flags), so 
   env PYTHONPATH="$tree:$extra" timeout 200 python3 "$root/benchmarks/host_cost.py" --tokens 4096 --worlds 8 \
      --host-only --no-baselines --out "$out/host_cost_$tag.json" 2>&1 | grep "^| simulated"
 }
-packed() {  # the parent's library under this tree's varlen_sim.py
+packed() {  # each tree's own varlen_sim.py (its one-rank transport speaks that library's transport API)
   local tag=$1 tree=$2 mixes=$3
   echo "== varlen_sim $tag"
-  env PYTHONPATH="$tree:$extra" timeout 280 python3 "$root/benchmarks/varlen_sim.py" --mixes "$mixes" --worlds 8,4 \
+  env PYTHONPATH="$tree:$extra" timeout 280 python3 "$tree/benchmarks/varlen_sim.py" --mixes "$mixes" --worlds 8,4 \
      --modes balanced --rep 20 --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
 }
 case "$what" in

@@ -77,11 +77,15 @@ class _OneRank(LoopbackTransport):
         self.scratch: dict[torch.dtype, torch.Tensor] = {}
 
     def move_start(self, sends, recvs, what="an exchange"):
-        for _, t in recvs[0]:
+        dsts = [t for _, t in recvs[0]]
+        srcs = []
+        for t in dsts:
             src = self.scratch.get(t.dtype)
             if src is None or src.numel() < t.numel():
                 src = self.scratch[t.dtype] = torch.randn(max(t.numel(), 1 << 24), device=t.device).to(t.dtype)
-            t.copy_(src[:t.numel()].view(t.shape))
+            srcs.append(src[:t.numel()].view(t.shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)  # as the loopback transport: one multi-tensor copy
         return Pending()
 
 

@@ -263,10 +263,13 @@ class _Arriving:
         for g in range(self.n):
             held, pending = self.pending
             self.run.transport.finish(pending)
+            dsts, srcs = [], []
             for kv, r in zip(held, self.run.ranks):
-                for row, frm, n in self.run.schedule.layout(r, g).copies:
-                    for x in kv:
-                        _rows(x, row, n).copy_(_rows(x, frm, n))
+                for row, frm, n in self.run.schedule.layout(r, g).copies:  # into other slots than they read
+                    dsts += [_rows(x, row, n) for x in kv]
+                    srcs += [_rows(x, frm, n) for x in kv]
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
             self.pending = self._post(g + 1) if g + 1 < self.n else None
             yield g, held
             del held
@@ -360,11 +363,12 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
                 for x in grads:
                     _rows(x, frm, n).add_(_rows(x, row, n))
             sends.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves if m.src != r for x in grads])
-            for m in lay.moves:
-                if m.src == r:  # its own rows: in place
-                    for t, x in zip(travelled[i], grads):
-                        dst, src = _rows(t, m.src_row, m.n), _rows(x, m.slot_row, m.n)
-                        dst.copy_(src) if copy_own[i] else dst.add_(src)
+            own = [(_rows(t, m.src_row, m.n), _rows(x, m.slot_row, m.n))
+                   for m in lay.moves if m.src == r for t, x in zip(travelled[i], grads)]  # its own rows: in place
+            if own and copy_own[i]:  # disjoint rows (own_moves_tile)
+                torch._foreach_copy_([d for d, _ in own], [x for _, x in own])
+            for d, x in own if not copy_own[i] else ():
+                d.add_(x)
             back = [(dst, row, n) for dst, row, n in sched.sends(r, g) if dst != r]
             stage = tuple(torch.empty((sum(n for _, _, n in back),) + tuple(t.shape[1:]), dtype=acc, device=t.device)
                           for t in travelled[i])
@@ -379,10 +383,16 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     for pending, staged in returning:
         run.transport.finish(pending)
         for i, (back, stage) in enumerate(staged):
-            at = 0
-            for _, row, n in back:
-                for t, x in zip(travelled[i], stage):
-                    _rows(t, row, n).add_(_rows(x, at, n))
+            rounds, at = [], 0
+            for _, row, n in back:  # one multi-tensor add a round, each round's rows disjoint
+                k = next((k for k, rd in enumerate(rounds) if all(row + n <= a or b <= row for a, b, _ in rd)),
+                         len(rounds))
+                if k == len(rounds):
+                    rounds.append([])
+                rounds[k].append((row, row + n, at))
                 at += n
+            for rd in rounds:
+                torch._foreach_add_([_rows(t, a, b - a) for a, b, _ in rd for t in travelled[i]],
+                                    [_rows(x, s, b - a) for a, b, s in rd for x in stage])
     got = [rows.dkv(i, dk, dv) for i, (dk, dv) in enumerate(travelled)]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]
