@@ -2,22 +2,25 @@
 ring hops, then each rank attends its local q to whole documents; dK/dV come back to their owners
 the same way.
 
-The collective is an *exchange* (an all-to-all of uneven chunks, :meth:`Transport.exchange_start`):
-every rank sends every rank only the pieces that rank's rows see (:meth:`AllGatherSchedule.needs`:
-under the causal mask a document's keys up to the end of its last piece there), not the whole pack
-to everyone. With the balanced placement a split document lives on few ranks, so a rank receives
-and holds about the key rows of the placement's spread (``DocPlacement.key_rows``), not P times
-the largest rank's travelling rows: 2-4x fewer bytes and less memory on the benchmark's packs at
-P = 8. The backward returns the fp32 dK/dV of exactly those rows along the reversed exchange.
+The collective is an *exchange* (:meth:`Transport.move_start`: row ranges moved straight from the
+holders' K/V into the receivers' buffers): every rank receives only the keys its rows see (under the
+causal mask a document's keys up to the end of its last piece there), not the whole pack. With the
+balanced placement a split document lives on few ranks, so a rank receives about the key rows of the
+placement's spread (``DocPlacement.key_rows``), not P times the largest rank's travelling rows: 2-4x
+fewer bytes and less memory on the benchmark's packs at P = 8. The receiver lays the keys out in *key
+slots* (:meth:`AllGatherSchedule.layout`, :class:`GroupLayout`): one a (piece, document) pair of its
+calls, in the calls' order, so every call reads its keys as one contiguous range (no gather). The
+backward returns the fp32 dK/dV of exactly the received rows along the moves reversed.
 
-Every local row is then in exactly one call (its document's keys up to it), so the forward writes
-the final output directly (no fp32 partials, no merge: one varlen call's numerics) and each
-row's dq comes from one call. The travelling documents go in (at most) ``GATHER_GROUPS`` groups
-of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`; one group where a rank's
-share is small: :func:`gather_group_count`): group ``g + 1``'s
-exchange is in flight while group ``g`` computes (the rank's whole documents compute while the
-first group arrives), and in the backward each group's return exchange is posted once its blocks
-are queued, so it overlaps the next group; at most two groups' K/V are held at once.
+Every local row is then in exactly one call (its document's keys up to it), and every slot row too,
+so the forward writes the final output directly (no fp32 partials, no merge: one varlen call's
+numerics) and the backward writes each row's dq and each slot's dK/dV
+(:class:`~ringfa4.kernels.spec.Written`). The travelling documents go in (at most) ``GATHER_GROUPS``
+groups of about equal causal pairs (:meth:`~.packing.Packing.gather_groups`; one group where a rank's
+share is small: :func:`gather_group_count`): group ``g + 1``'s moves are in flight while group ``g``
+computes (the rank's whole documents compute while the first group arrives), and in the backward each
+group's return is posted once its blocks are queued, so it overlaps the next group; at most two groups'
+K/V are held at once.
 
 The rule (``mode="auto"`` in ``cp.pack``), over the travelling documents: per token, a ring step
 computes ~4 l h d / P FLOPs (l = the token-weighted mean document length, sum(L^2) / S) and moves

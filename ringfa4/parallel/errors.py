@@ -2,7 +2,7 @@
 
 Every collective entry of a CP group (a call's metadata check, ``unshard``, ``cp.pack``, the plan
 check at construction) takes the group's next sequence number; all ranks count alike because they
-make the same calls. The ring hops, the Ulysses all-to-all, the all-gather and the reduce-scatter
+make the same calls. The ring hops, the Ulysses all-to-all and the all-gather mode's K/V and dK/dV moves
 of a call (its backward included) use its number. Store keys live under
 ``ringfa4/<ranks of the group>/<call>/``:
 

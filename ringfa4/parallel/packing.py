@@ -144,7 +144,7 @@ class Packing:
     def gather_groups(self, n: int) -> tuple[tuple[int, ...], ...]:
         """The travelling documents (document order, empty ones left out) cut into at most ``n``
         consecutive groups of about equal causal pairs (a group closes once the pairs so far reach
-        its share): what the all-gather mode gathers, computes and reduce-scatters one group at a
+        its share): what the all-gather mode moves, computes and returns one group at a
         time, so one group's collective overlaps the previous group's attention."""
         docs = [d for d in self.split_docs() if self.doc_lengths[d]]
         pairs = [self.doc_lengths[d] * (self.doc_lengths[d] + 1) // 2 for d in docs]
