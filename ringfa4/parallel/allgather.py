@@ -319,9 +319,10 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     owners by the group's moves reversed (every rank returns the fp32 gradients of the slot rows
     it received; its own rows it adds in place), posted once the group's blocks are queued (they
     overlap the next group), and each owner adds what comes back into its rows; a balanced pack's
-    whole documents' dK/dV stay home. Blocks add their fp32 dK/dV straight into the group's
-    gradient buffers, laid out as its K/V buffers (contiguous key rows a call), and a copied slot's
-    gradients fold into the slot it was copied from. The rows that never travel as in the ring
+    whole documents' dK/dV stay home. Blocks write their fp32 dK/dV straight into the group's
+    gradient buffers, laid out as its K/V buffers (contiguous key rows a call; each slot one call's),
+    and each row's dq into the final q-dtype rows; a copied slot's gradients fold into the slot it
+    was copied from. The rows that never travel as in the ring
     (:class:`~.ring.home_grads.HomeGrads`: a direct home call's own final gradients, else fp32
     accumulators that stay home)."""
     sched = run.schedule
