@@ -284,6 +284,12 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     own = [sum(n for dst, _, n in sched.sends(r, 0) if dst == r) for r in range(P)]
     assert back == [[2 * (sum(n for _, _, n in sched.sends(r, 0)) - own[r]) for r in range(P)]], \
         "each owner receives the gradients of the rows it sent others (its own it adds in place)"
+    for r in range(P):  # the returned gradients add in rounds whose rows never overlap
+        staged, rounds = sched.returns(r, 0)
+        assert sum(n for rd in rounds for _, n, _ in rd) == staged == back[0][r] // 2
+        for rd in rounds:
+            spans = sorted((a, a + n) for a, n, _ in rd)
+            assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:])), spans
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 

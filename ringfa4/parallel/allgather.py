@@ -203,6 +203,25 @@ class AllGatherSchedule(PackSchedule):
         return tuple((dst, m.src_row, m.n) for dst in range(self.world_size)
                      for m in self.layout(dst, g).moves if m.src == rank)
 
+    @cached_method
+    def returns(self, rank: int, g: int) -> tuple[int, tuple[tuple[tuple[int, int, int], ...], ...]]:
+        """The dK/dV ``rank`` gets back in group ``g`` (one piece of gradient for each of its
+        :meth:`sends` to another rank, staged in that order): the staged rows, and rounds of
+        ``(local row, n, staged row)`` whose local rows are disjoint (so each round adds in one
+        multi-tensor op, never two pieces into the same row at once)."""
+        rounds: list[list[tuple[int, int, int]]] = []
+        at = 0
+        for dst, row, n in self.sends(rank, g):
+            if dst == rank:
+                continue
+            k = next((k for k, rd in enumerate(rounds) if all(row + n <= a or a + m <= row for a, m, _ in rd)),
+                     len(rounds))
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append((row, n, at))
+            at += n
+        return at, tuple(tuple(rd) for rd in rounds)
+
     def group_calls(self, rank: int, g: int) -> tuple[VarlenCall, ...]:
         return self.layout(rank, g).calls
 
@@ -373,30 +392,23 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
                 torch._foreach_copy_([d for d, _ in own], [x for _, x in own])
             for d, x in own if not copy_own[i] else ():
                 d.add_(x)
-            back = [(dst, row, n) for dst, row, n in sched.sends(r, g) if dst != r]
-            stage = tuple(torch.empty((sum(n for _, _, n in back),) + tuple(t.shape[1:]), dtype=acc, device=t.device)
+            rows_back, rounds = sched.returns(r, g)
+            stage = tuple(torch.empty((rows_back,) + tuple(t.shape[1:]), dtype=acc, device=t.device)
                           for t in travelled[i])
             at, got = 0, []
-            for dst, _, n in back:
-                got += [(dst, _rows(x, at, n)) for x in stage]
-                at += n
+            for dst, _, n in sched.sends(r, g):
+                if dst != r:
+                    got += [(dst, _rows(x, at, n)) for x in stage]
+                    at += n
             recvs.append(got)
-            staged.append((back, stage))
+            staged.append((rounds, stage))
         del held  # (the next group's K/V already arriving)
         returning.append((run.transport.move_start(sends, recvs, "the dK/dV exchange"), staged))
     for pending, staged in returning:
         run.transport.finish(pending)
-        for i, (back, stage) in enumerate(staged):
-            rounds, at = [], 0
-            for _, row, n in back:  # one multi-tensor add a round, each round's rows disjoint
-                k = next((k for k, rd in enumerate(rounds) if all(row + n <= a or b <= row for a, b, _ in rd)),
-                         len(rounds))
-                if k == len(rounds):
-                    rounds.append([])
-                rounds[k].append((row, row + n, at))
-                at += n
-            for rd in rounds:
-                torch._foreach_add_([_rows(t, a, b - a) for a, b, _ in rd for t in travelled[i]],
-                                    [_rows(x, s, b - a) for a, b, s in rd for x in stage])
+        for i, (rounds, stage) in enumerate(staged):
+            for rd in rounds:  # one multi-tensor add a round (AllGatherSchedule.returns)
+                torch._foreach_add_([_rows(t, row, n) for row, n, _ in rd for t in travelled[i]],
+                                    [_rows(x, at, n) for _, n, at in rd for x in stage])
     got = [rows.dkv(i, dk, dv) for i, (dk, dv) in enumerate(travelled)]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]

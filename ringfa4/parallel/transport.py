@@ -61,16 +61,18 @@ Moves = list[list[tuple[int, torch.Tensor]]]  # per local rank: (peer rank, tens
 def _matched(sends: Moves, recvs: Moves, ranks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(receive, send)`` tensor pairs of local ranks ``ranks`` (list index i is rank ``ranks[i]``):
     the k-th send of ``a`` to ``b`` fills the k-th receive of ``b`` from ``a``."""
-    at = {r: i for i, r in enumerate(ranks)}
-    out = []
-    for j, got in enumerate(recvs):
-        taken: dict[int, int] = {}
+    queued: dict[tuple[int, int], list[torch.Tensor]] = {}  # (src, dst): its sends, in order
+    for src, out in zip(ranks, sends):
+        for dst, x in out:
+            queued.setdefault((src, dst), []).append(x)
+    taken: dict[tuple[int, int], int] = {}
+    pairs = []
+    for dst, got in zip(ranks, recvs):
         for src, t in got:
-            k = taken.get(src, 0)
-            taken[src] = k + 1
-            src_sends = [x for dst, x in sends[at[src]] if dst == ranks[j]]
-            out.append((t, src_sends[k]))
-    return out
+            k = taken.get((src, dst), 0)
+            taken[(src, dst)] = k + 1
+            pairs.append((t, queued[(src, dst)][k]))
+    return pairs
 
 
 class Transport:

@@ -22,7 +22,7 @@ import torch
 
 from ..eager import eager_boundary
 from ..sinks import apply_sinks_
-from ..spec import AttnSpec, BackendUnsupported, Written, check_grads, materialized
+from ..spec import AttnSpec, BackendUnsupported, check_grads, materialized
 from ..validate import known_empty_segment, validate_block, validate_varlen
 from .launch import PlanCache, aligned, signature
 
@@ -268,14 +268,10 @@ class Fa4Backend:
             state = acc.prepare(q, out, dout, lse.float(), softmax_scale=spec.scale(d), softcap=float(spec.softcap))
         except (ValueError, AssertionError):
             return False
-        (dk_acc, dk_w), (dv_acc, dv_w) = materialized(dk_acc), materialized(dv_acc)
+        (dq_acc, dq_w), (dk_acc, dk_w), (dv_acc, dv_w) = (materialized(g) for g in (dq_acc, dk_acc, dv_acc))
         acc.accumulate(state, k, v, dk_acc, dv_acc, causal=spec.causal, window=(spec.window_left, spec.window_right))
-        dq = acc.finish(state, torch.float32)
-        if isinstance(dq_acc, Written):
-            dq_acc.put_(dq)
-        else:
-            dq_acc.add_(dq)
-        for written, got in ((dk_w, dk_acc), (dv_w, dv_acc)):
+        dq_acc.add_(acc.finish(state, torch.float32))
+        for written, got in ((dq_w, dq_acc), (dk_w, dk_acc), (dv_w, dv_acc)):
             if written is not None:
                 written.put_(got)
         return True
