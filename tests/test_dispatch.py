@@ -284,12 +284,17 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     own = [sum(n for dst, _, n in sched.sends(r, 0) if dst == r) for r in range(P)]
     assert back == [[2 * (sum(n for _, _, n in sched.sends(r, 0)) - own[r]) for r in range(P)]], \
         "each owner receives the gradients of the rows it sent others (its own it adds in place)"
-    for r in range(P):  # the returned gradients add in rounds whose rows never overlap
-        staged, rounds = sched.returns(r, 0)
-        assert sum(n for rd in rounds for _, n, _ in rd) == staged == back[0][r] // 2
-        for rd in rounds:
-            spans = sorted((a, a + n) for a, n, _ in rd)
-            assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:])), spans
+    for r in range(P):  # each travelling row written once: the sum of every piece of it, own and returned
+        sums = sched.return_sums(r, 0, torch.device("cpu"))
+        lay, staged = sched.layout(r, 0), sched.return_rows(r, 0)
+        assert staged == back[0][r] // 2
+        assert sorted(sums.dst.tolist()) == list(range(pack.packing.travel_rows(r)))
+        assert sums.idx.numel() == sum(m.n for m in lay.moves if m.src == r) + staged
+        assert sums.idx.numel() == 0 or int(sums.idx.max()) < lay.rows + staged
+        times_sent = torch.zeros(pack.packing.travel_rows(r), dtype=torch.int64)
+        for _, row, n in sched.sends(r, 0):
+            times_sent[row:row + n] += 1
+        assert torch.equal(sums.ptr.diff(), times_sent[sums.dst]), "a row's pieces: one per time it was sent"
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 

@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.rows_sum_triton import RowSums, sum_rows_
 from ..kernels.sinks import apply_sinks_
 from ..kernels.spec import Written
 from .blocks import band_block, global_band, whole_block
@@ -204,40 +205,29 @@ class AllGatherSchedule(PackSchedule):
                      for m in self.layout(dst, g).moves if m.src == rank)
 
     @cached_method
-    def returns(self, rank: int, g: int) -> tuple[int, tuple[tuple[tuple[int, int, int], ...], ...]]:
-        """The dK/dV ``rank`` gets back in group ``g`` (one piece of gradient for each of its
-        :meth:`sends` to another rank, staged in that order): the staged rows, and rounds of
-        ``(local row, n, staged row)`` whose local rows are disjoint (so each round adds in one
-        multi-tensor op, never two pieces into the same row at once)."""
-        rounds: list[list[tuple[int, int, int]]] = []
-        at = 0
+    def return_rows(self, rank: int, g: int) -> int:
+        """Rows of dK/dV ``rank`` gets back in group ``g``: one piece for each of its :meth:`sends`
+        to another rank, staged in that order."""
+        return sum(n for dst, _, n in self.sends(rank, g) if dst != rank)
+
+    @cached_method
+    def return_sums(self, rank: int, g: int, device: torch.device) -> RowSums:
+        """Each of ``rank``'s travelling rows of group ``g``'s documents as the sum of its pieces,
+        over the group's gradient buffer (its slots' :attr:`GroupLayout.rows`, then the
+        :meth:`return_rows` staged): the rank's own slot rows (its moves to itself), then each
+        return in :meth:`sends` order; a row with none (no query sees it) is written zero."""
+        lay = self.layout(rank, g)
+        spans = [(s.local, s.length, -1) for s in self.group_segments(rank, g)]
+        spans += [(m.src_row, m.n, m.slot_row) for m in lay.moves if m.src == rank]
+        at = lay.rows
         for dst, row, n in self.sends(rank, g):
-            if dst == rank:
-                continue
-            k = next((k for k, rd in enumerate(rounds) if all(row + n <= a or a + m <= row for a, m, _ in rd)),
-                     len(rounds))
-            if k == len(rounds):
-                rounds.append([])
-            rounds[k].append((row, n, at))
-            at += n
-        return at, tuple(tuple(rd) for rd in rounds)
+            if dst != rank:
+                spans.append((row, n, at))
+                at += n
+        return RowSums.from_spans(spans, device)
 
     def group_calls(self, rank: int, g: int) -> tuple[VarlenCall, ...]:
         return self.layout(rank, g).calls
-
-    @cached_method
-    def own_moves_tile(self, rank: int) -> bool:
-        """Whether ``rank``'s moves to itself, over all groups, cover each of its travelling rows
-        exactly once (so its dK/dV can start as a copy of its own slots' gradients; causal masks
-        always: a piece's keys are in its own slot)."""
-        spans = sorted((m.src_row, m.n) for g in range(len(self.groups)) for m in self.layout(rank, g).moves
-                       if m.src == rank)
-        at = 0
-        for row, n in spans:
-            if row != at:
-                return False
-            at += n
-        return at == self.travel_rows(rank)
 
     @cached_method
     def home_calls(self, rank: int) -> tuple[VarlenCall, ...]:
@@ -336,12 +326,14 @@ def allgather_forward(run, qs, ks, vs):
 def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     """Same contract as :func:`ring_backward`: each group's travelling dK/dV go back to their
     owners by the group's moves reversed (every rank returns the fp32 gradients of the slot rows
-    it received; its own rows it adds in place), posted once the group's blocks are queued (they
-    overlap the next group), and each owner adds what comes back into its rows; a balanced pack's
-    whole documents' dK/dV stay home. Blocks write their fp32 dK/dV straight into the group's
-    gradient buffers, laid out as its K/V buffers (contiguous key rows a call; each slot one call's),
-    and each row's dq into the final q-dtype rows; a copied slot's gradients fold into the slot it
-    was copied from. The rows that never travel as in the ring
+    it received), posted once the group's blocks are queued (they overlap the next group); once all
+    came back, each owner writes every travelling row's dK/dV once, the sum of its own slot's and
+    the returned pieces (:meth:`AllGatherSchedule.return_sums`, one pass a group:
+    :func:`~ringfa4.kernels.rows_sum_triton.sum_rows_`). A balanced pack's whole documents' dK/dV
+    stay home. Blocks write their fp32 dK/dV straight into the group's gradient buffers, laid out as
+    its K/V buffers (contiguous key rows a call; each slot one call's) and followed by the staged
+    returns, and each row's dq into the final q-dtype rows; a copied slot's gradients fold into the
+    slot it was copied from. The rows that never travel as in the ring
     (:class:`~.ring.home_grads.HomeGrads`: a direct home call's own final gradients, else fp32
     accumulators that stay home)."""
     sched = run.schedule
@@ -349,10 +341,6 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
     fp32 = run.options.fp32_grads and qs[0].dtype != acc
     rows = HomeGrads(run, qs, ks, vs, sched.blocks, dq_once=True)
     dq_written = [Written(dq) for dq in rows.dqs]
-    copy_own = [sched.own_moves_tile(r) for r in run.ranks]
-    travelled = [tuple((torch.empty if copy_own[i] else torch.zeros)(
-        (sched.travel_rows(r),) + tuple(x.shape[1:]), dtype=acc, device=x.device) for x in (ks[i], vs[i]))
-        for i, r in enumerate(run.ranks)]  # dk, dv of the travelling rows
 
     def block(i, call, held, dst, write: bool):
         """Call ``call``'s gradients: dq written (every row in one call); dK/dV written into
@@ -376,39 +364,34 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
         for call in sched.home_calls(r):
             block(i, call, (ks[i], vs[i]), rows.homes[i], False)
     for g, held in arriving:
-        sends, recvs, staged = [], [], []
+        sends, recvs, bufs = [], [], []
         for i, r in enumerate(run.ranks):
             lay = sched.layout(r, g)
-            grads = tuple(torch.empty(x.shape, dtype=acc, device=x.device) for x in held[i])
+            back = sched.return_rows(r, g)
+            buf = tuple(torch.empty((lay.rows + back,) + tuple(x.shape[1:]), dtype=acc, device=x.device)
+                        for x in held[i])  # the slots' dK / dV, then the returns staged
+            grads = tuple(_rows(x, 0, lay.rows) for x in buf)
             for call in lay.calls:
                 block(i, call, held[i], grads, True)
             for row, frm, n in lay.copies:  # a copied slot's gradients into the slot it came from
                 for x in grads:
                     _rows(x, frm, n).add_(_rows(x, row, n))
             sends.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves if m.src != r for x in grads])
-            own = [(_rows(t, m.src_row, m.n), _rows(x, m.slot_row, m.n))
-                   for m in lay.moves if m.src == r for t, x in zip(travelled[i], grads)]  # its own rows: in place
-            if own and copy_own[i]:  # disjoint rows (own_moves_tile)
-                torch._foreach_copy_([d for d, _ in own], [x for _, x in own])
-            for d, x in own if not copy_own[i] else ():
-                d.add_(x)
-            rows_back, rounds = sched.returns(r, g)
-            stage = tuple(torch.empty((rows_back,) + tuple(t.shape[1:]), dtype=acc, device=t.device)
-                          for t in travelled[i])
-            at, got = 0, []
+            at, got = lay.rows, []
             for dst, _, n in sched.sends(r, g):
                 if dst != r:
-                    got += [(dst, _rows(x, at, n)) for x in stage]
+                    got += [(dst, _rows(x, at, n)) for x in buf]
                     at += n
             recvs.append(got)
-            staged.append((rounds, stage))
+            bufs.append(buf)
         del held  # (the next group's K/V already arriving)
-        returning.append((run.transport.move_start(sends, recvs, "the dK/dV exchange"), staged))
-    for pending, staged in returning:
+        returning.append((g, run.transport.move_start(sends, recvs, "the dK/dV exchange"), bufs))
+    outs_kv = [rows.travel_out(i) for i in range(len(run.ranks))]
+    for g, pending, bufs in returning:
         run.transport.finish(pending)
-        for i, (rounds, stage) in enumerate(staged):
-            for rd in rounds:  # one multi-tensor add a round (AllGatherSchedule.returns)
-                torch._foreach_add_([_rows(t, row, n) for row, n, _ in rd for t in travelled[i]],
-                                    [_rows(x, at, n) for _, n, at in rd for x in stage])
-    got = [rows.dkv(i, dk, dv) for i, (dk, dv) in enumerate(travelled)]
+        for i, r in enumerate(run.ranks):
+            sums = sched.return_sums(r, g, bufs[i][0].device)
+            for out, buf in zip(outs_kv[i], bufs[i]):
+                sum_rows_(out, buf, sums)
+    got = [rows.dkv_written(i) for i in range(len(run.ranks))]
     return rows.dq(), [dk for dk, _ in got], [dv for _, dv in got]

@@ -31,6 +31,7 @@ class HomeGrads:
         self.direct = [direct_home(run, blocks_of(r), r) if sched.travel_rows(r) < sched.rows(r) else None
                        for r in run.ranks]
         self.finals: list = [None] * len(qs)  # the direct call's (dq, dk, dv) per local rank
+        self.whole: list = [None] * len(qs)  # per local rank, the (dk, dv) that travel_out writes into
         self.dqs = [(torch.empty if dq_once else torch.zeros)(
             q.shape if c is None else (sched.travel_rows(r),) + tuple(q.shape[1:]), dtype=q.dtype if dq_once else acc,
             device=q.device) for q, c, r in zip(qs, self.direct, run.ranks)]
@@ -63,3 +64,28 @@ class HomeGrads:
             home[1].narrow(row_dim(dv), 0, n).add_(dv)
             dk, dv = home
         return dk.to(self.ks[i].dtype), dv.to(self.vs[i].dtype)
+
+    def travel_out(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where rank i's travelling rows' final dK / dV go when written once (the all-gather
+        mode's row sums), ``(travel rows, h_kv, d)`` each: the prefix of its home accumulators (fp32;
+        no home call touches the travelling rows) where it has them, else the prefix of new tensors
+        of all its rows in the inputs' dtypes (the direct home call's rows follow in
+        :meth:`dkv_written`)."""
+        k, v, home = self.ks[i], self.vs[i], self.homes[i]
+        if self.whole[i] is None:
+            self.whole[i] = home if home is not None else (torch.empty_like(k), torch.empty_like(v))
+        n = self.run.schedule.travel_rows(self.run.ranks[i])
+        return tuple(x.narrow(row_dim(x), 0, n) for x in self.whole[i])
+
+    def dkv_written(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank i's dK / dV in the inputs' dtypes once :meth:`travel_out`'s rows were written: the
+        direct home call's rows copied after them, or the home accumulators cast."""
+        self.travel_out(i)
+        (dk, dv), final = self.whole[i], self.finals[i]
+        if self.homes[i] is not None:
+            return dk.to(self.ks[i].dtype), dv.to(self.vs[i].dtype)
+        if final is not None:
+            n = self.run.schedule.travel_rows(self.run.ranks[i])
+            for x, f in zip((dk, dv), final[1:]):
+                x.narrow(row_dim(x), n, x.shape[row_dim(x)] - n).copy_(f)
+        return dk, dv
