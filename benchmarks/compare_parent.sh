@@ -44,7 +44,7 @@ packed() {  # each tree's own varlen_sim.py (its one-rank transport speaks that 
   local tag=$1 tree=$2 mixes=$3
   echo "== varlen_sim $tag"
   env PYTHONPATH="$tree:$extra" timeout 280 python3 "$tree/benchmarks/varlen_sim.py" --mixes "$mixes" --worlds 8,4 \
-     --modes balanced --rep 20 --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
+     --modes balanced --rep 100 --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
 }
 case "$what" in
   sim) if [ $# -gt 0 ]; then sim "parent_$(echo "$*" | tr ' =' '__')" "$base" "$@"

@@ -29,6 +29,9 @@ for lengths, heads, d, d_r, tile in [([5, 0, 17, 1, 40], 3, 64, 64, 16), ([33], 
     got = acc0.clone()
     assert unpad_add_triton_(got, accum, prow, order, tile, d_r, 0.37)
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    got32 = acc0.clone()  # int32 indices (what varlen_bwd passes on CUDA): the same sums
+    assert unpad_add_triton_(got32, accum, prow.int(), order.int(), tile, d_r, 0.37)
+    assert torch.equal(got32, got)
     assert not unpad_add_triton_(got.double(), accum, prow, order, tile, d_r, 1.0)  # not fp32: declined
     # the store form: rows written in the destination's dtype, never read (NaN there stays out)
     rows = accum.index_select(1, idx).view(heads, total, d).permute(1, 0, 2).mul(0.37)

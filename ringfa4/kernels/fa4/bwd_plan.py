@@ -177,13 +177,17 @@ def make_kernel(p: BwdPlan, key: Any) -> Any:
 
 
 def postprocess(p: BwdPlan, kind: str, accum: torch.Tensor, out: torch.Tensor, scale: float, *,
-                fake_mode: bool) -> None:
+                fake_mode: bool, cu_seqlens: torch.Tensor | None = None,
+                cu_total_blocks: torch.Tensor | None = None) -> None:
     """FA4's postprocess: ``out (b, rows, heads, d)`` 16-bit <- ``scale *`` the FA4-layout fp32
-    accumulator ``(b, heads, rows_r * d_r)``; ``kind`` "dq" (dQ) or "dkv" (dK / dV)."""
+    accumulator ``(b, heads, rows_r * d_r)``; ``kind`` "dq" (dQ) or "dkv" (dK / dV). Varlen: ``out
+    (total, heads, d)`` and ``accum (heads, total_pad * d_r)`` with int32 ``cu_seqlens`` (documents
+    padded as FA4's varlen backward pads them) and, always given so its compile key never flips with
+    the document count, FA4's tile cumsum ``cu_total_blocks`` at the plan's postprocess tile."""
     from flash_attn.cute import interface
 
     tile, threads, atom, swap, use2, cluster, order = p.dq_post if kind == "dq" else p.dkv_post
     interface._bwd_postprocess_convert(
-        accum, out, scale, None, None, p.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1], tile,
-        threads, atom, swap, use_2cta_instrs=use2, cluster_size=cluster, fake_mode=fake_mode,
-        hdim_multiple_of=p.d_round, accum_order=order)
+        accum, out, scale, cu_seqlens, None, p.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1], tile,
+        threads, atom, swap, use_2cta_instrs=use2, cluster_size=cluster, cu_total_m_blocks=cu_total_blocks,
+        fake_mode=fake_mode, hdim_multiple_of=p.d_round, accum_order=order)
