@@ -8,7 +8,12 @@ dense ring, as ``ringfa4.attention`` runs it, travel ``dense``), whose hops copy
 buffers (the bytes a real rank receives; their contents are its own, stale: timing only) and whose
 exchange writes the bytes the rank receives. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
-time), so an unbalanced placement cannot score well. Also:
+time), so an unbalanced placement cannot score well. The one call and every rank are timed in
+interleaved rounds (``--rounds``, after one discarded; ``_common.interleaved_ms``): each time is
+the median over the rounds, so a drift of the GPU's speed during the run moves them alike instead of
+landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
+0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
+Also:
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring), the
 key rows the split documents' holders need (what the exchange moves) and the pieces, and the
 solver's time for 1,000 documents, all whole and with one split (CPU, median of 7).
@@ -38,7 +43,7 @@ import statistics
 import time
 
 import torch
-from _common import median_ms, rotating
+from _common import interleaved_ms, rotating
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -165,7 +170,7 @@ def travel_kind(dense: bool, allgather: bool) -> str:
     return "dense" if dense else "allgather" if allgather else "ring"
 
 
-def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> list[dict]:
+def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rounds: int = 3) -> list[dict]:
     lengths = mix_lengths(name)
     total = sum(lengths)
     cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
@@ -182,7 +187,6 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
                 be.backward(do, q, k, v, o, l, spec)
         return run
 
-    t_full = {b: median_ms(one_call(b), sets, rep) for b in (False, True)}
     rows = []
     for P in worlds:
         cp = ringfa4.ContextParallel.simulated(P, backend=be)
@@ -202,11 +206,15 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
             travel = packing.max_travel_rows
             keys = key_rows(packing)
             for backward in (False, True):
-                per_rank = []
+                fns = {"full": rotating(one_call(backward), sets)}
                 for r in range(P):
                     run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
-                    shards = [[shard(t, r) for t in s] for s in sets]
-                    per_rank.append(median_ms(_rank_step(run, fwd, bwd, backward), shards, rep))
+                    fns[r] = rotating(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
+                timed = interleaved_ms(fns, [()], rounds=rounds, rep=rep)
+                per_rank = [timed[r]["ms"] for r in range(P)]
+                full_ms = timed["full"]["ms"]
+                per_round = [timed["full"]["rounds"][k] / (P * max(timed[r]["rounds"][k] for r in range(P)))
+                             for k in range(rounds)]
                 slowest = max(per_rank)
                 prof = None
                 if profile:
@@ -217,9 +225,10 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False) -> 
                 rows.append({
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
-                    "split_docs": len(packing.split_docs()), "full_ms": t_full[backward],
+                    "split_docs": len(packing.split_docs()), "full_ms": full_ms, "rank_ms": per_rank,
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
-                    "efficiency": t_full[backward] / (P * slowest), "flops_balance": _ratio(flops),
+                    "efficiency": full_ms / (P * slowest),
+                    "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
                     "token_balance": _ratio(toks), "rows_per_hop": travel, "key_rows": keys, "pieces": pieces(packing),
                     "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {}))
                 print(json.dumps(rows[-1]), flush=True)
@@ -234,7 +243,8 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--modes", default="balanced,ring,allgather",
                     help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel")
-    ap.add_argument("--rep", type=int, default=100, help="ms of do_bench per timing")
+    ap.add_argument("--rep", type=int, default=50, help="ms of do_bench per timing")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (after one discarded)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
     ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
     args = ap.parse_args()
@@ -244,7 +254,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for name in args.mixes.split(","):  # saved after every mix: a run cut short keeps what it measured
-        rows += bench_mix(name, worlds, args.modes.split(","), be, args.rep, args.profile)
+        rows += bench_mix(name, worlds, args.modes.split(","), be, args.rep, args.profile, args.rounds)
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
                        "backend": be.name, "solver_ms_1000_docs": solver,

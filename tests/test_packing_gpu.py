@@ -115,3 +115,27 @@ def test_pipelined_allgather_under_a_delayed_stream(monkeypatch):
     bad = run(_NoFinishWait(poison=True, delay_cycles=20_000_000))
     assert any(not torch.allclose(a, b, rtol=2e-2, atol=2e-3) for a, b in zip(plain, bad)), \
         "the check cannot see a missing wait"
+
+
+@pytest.mark.parametrize("mode", ["balanced", "ring"])
+def test_packed_ring_makes_no_host_sync(mode):
+    """A warmed-up packed forward + backward (the balanced placement's all-gather exchange, and the
+    ring mode) runs under ``torch.cuda.set_sync_debug_mode("error")``: nothing on the hot path waits
+    for the GPU (cu_seqlens, row sums and pads are built on the first call and cached per pack)."""
+    lengths = [1, 700, 1500, 5, 3000, 2100, 9000, 2]
+    cu = random_cu_seqlens(lengths, device="cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(sum(lengths), n, 128, generator=g).to("cuda", torch.bfloat16) for n in (8, 2, 2, 8))
+    cp = ringfa4.ContextParallel.simulated(4)
+    pack = cp.pack(cu, mode)
+
+    def step():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ringfa4.attention(qq, kk, vv, cp=cp, packing=pack, causal=True).backward(do)
+    step()  # compiles; builds the pack's cached metadata
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
