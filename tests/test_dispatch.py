@@ -299,6 +299,34 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 
 
+def test_loopback_moves_launch_per_rank_as_real_ranks(monkeypatch):
+    """The simulated executor issues a real rank's launches (issue 23): the loopback's exchange
+    copies each receiving rank's moves from others in one multi-tensor copy (its NCCL batch) and its
+    moves to itself in another (its local copies), never one launch for several ranks; every
+    receive gets its matching send."""
+    from ringfa4.parallel import LoopbackTransport
+
+    launches = []
+    real = torch._foreach_copy_
+
+    def counted(dsts, srcs, **kw):
+        launches.append(list(dsts))
+        return real(dsts, srcs, **kw)
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    P = 3
+    data = [torch.arange(10.0) + 100 * r for r in range(P)]
+    # rank r sends rows [r, r + 2) to every rank (itself included) and rows [5, 6) to rank (r + 1) % P
+    sends = [[(d, data[r][r:r + 2]) for d in range(P)] + [((r + 1) % P, data[r][5:6])] for r in range(P)]
+    recvs = [[(s, torch.empty(2)) for s in range(P)] + [((r - 1) % P, torch.empty(1))] for r in range(P)]
+    LoopbackTransport().move_start(sends, recvs)
+    owner = {id(t): r for r in range(P) for _, t in recvs[r]}
+    assert len(launches) == 2 * P and all(len({owner[id(t)] for t in dsts}) == 1 for dsts in launches)
+    for r in range(P):
+        for s, t in recvs[r][:P]:
+            assert torch.equal(t, data[s][s:s + 2])
+        assert torch.equal(recvs[r][P][1], data[(r - 1) % P][5:6])
+
+
 def test_describe_reports_the_balance():
     cp = ringfa4.ContextParallel.simulated(4, layout=_layout(4), backend="reference")
     text = cp.pack(random_cu_seqlens([300, 20, 31, 7, 90, 0, 1])).describe(num_kv_heads=2, head_dim=8)

@@ -275,13 +275,11 @@ class _Arriving:
         for g in range(self.n):
             held, pending = self.pending
             self.run.transport.finish(pending)
-            dsts, srcs = [], []
-            for kv, r in zip(held, self.run.ranks):
-                for row, frm, n in self.run.schedule.layout(r, g).copies:  # into other slots than they read
-                    dsts += [_rows(x, row, n) for x in kv]
-                    srcs += [_rows(x, frm, n) for x in kv]
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            for kv, r in zip(held, self.run.ranks):  # one multi-tensor copy a rank, as a real rank's
+                copies = self.run.schedule.layout(r, g).copies  # (into other slots than they read)
+                if copies:
+                    torch._foreach_copy_([_rows(x, row, n) for row, _, n in copies for x in kv],
+                                         [_rows(x, frm, n) for _, frm, n in copies for x in kv])
             self.pending = self._post(g + 1) if g + 1 < self.n else None
             yield g, held
             del held

@@ -58,9 +58,9 @@ class Pending:
 Moves = list[list[tuple[int, torch.Tensor]]]  # per local rank: (peer rank, tensor), in order
 
 
-def _matched(sends: Moves, recvs: Moves, ranks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(receive, send)`` tensor pairs of local ranks ``ranks`` (list index i is rank ``ranks[i]``):
-    the k-th send of ``a`` to ``b`` fills the k-th receive of ``b`` from ``a``."""
+def _matched(sends: Moves, recvs: Moves, ranks: list[int]) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(dst, src, receive, send)`` of local ranks ``ranks`` (list index i is rank ``ranks[i]``),
+    receiver by receiver: the k-th send of ``a`` to ``b`` fills the k-th receive of ``b`` from ``a``."""
     queued: dict[tuple[int, int], list[torch.Tensor]] = {}  # (src, dst): its sends, in order
     for src, out in zip(ranks, sends):
         for dst, x in out:
@@ -71,8 +71,21 @@ def _matched(sends: Moves, recvs: Moves, ranks: list[int]) -> list[tuple[torch.T
         for src, t in got:
             k = taken.get((src, dst), 0)
             taken[(src, dst)] = k + 1
-            pairs.append((t, queued[(src, dst)][k]))
+            pairs.append((dst, src, t, queued[(src, dst)][k]))
     return pairs
+
+
+def _launches(pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> list[tuple[list, list]]:
+    """The copies of :func:`_matched`'s pairs as a real rank launches them, one multi-tensor copy
+    each: per receiving rank, what it receives from others (its NCCL batch) and its moves to itself
+    (its local copies); never one launch for several ranks (so the simulated executor issues the
+    launches a real rank does)."""
+    batches: dict[tuple[int, bool], tuple[list, list]] = {}
+    for dst, src, recv, send in pairs:
+        dsts, srcs = batches.setdefault((dst, src == dst), ([], []))
+        dsts.append(recv)
+        srcs.append(send)
+    return list(batches.values())
 
 
 class Transport:
@@ -174,28 +187,31 @@ class LoopbackTransport(Transport):
 
     def move_start(self, sends, recvs, what="an exchange"):
         """Every rank local (list index = rank): each receive copied from its matching send on the
-        communication stream, all in one multi-tensor copy."""
+        communication stream, a multi-tensor copy per receiving rank of what it gets from others
+        and one of its moves to itself (:func:`_launches`: a real rank's NCCL batch and local copies)."""
         pairs = _matched(sends, recvs, list(range(len(recvs))))
         if not pairs:
             return Pending()
-        device = pairs[0][0].device
+        device = pairs[0][2].device
         stream = self.comm_stream(device)
-        dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+        launches = _launches(pairs)
         if stream is None:
-            torch._foreach_copy_(dsts, srcs)
+            for dsts, srcs in launches:
+                torch._foreach_copy_(dsts, srcs)
             return Pending()
         if self.poison:
-            for dst in dsts:
+            for _, _, dst, _ in pairs:
                 dst.fill_(math.nan)
         event = torch.cuda.Event()
 
         def post():
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one launch for all of them (a few per dtype)
+            for dsts, srcs in launches:  # one launch a rank and kind, as the ranks would
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
             event.record(stream)
         self.on_stream(stream, device, post)
-        for dst, src in pairs:  # kept from the allocator until the communication stream is past them
+        for _, _, dst, src in pairs:  # kept from the allocator until the communication stream is past them
             dst.record_stream(stream)
             src.record_stream(stream)
         return Pending(event=event, device=device)
@@ -280,7 +296,7 @@ class P2PTransport(Transport):
             # move_start alike), before a batch that some ranks take no part in
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=self.group)
             self._warm = True
-        local = _matched([out], [[(s, t) for s, t in got if s == me]], [me])
+        local = [(d, s) for _, _, d, s in _matched([out], [[(s, t) for s, t in got if s == me]], [me])]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(dst), self.group) for dst, t in out if dst != me]
         ops += [dist.P2POp(dist.irecv, t, self._global(src), self.group) for src, t in got if src != me]
         if not ops and not local:
@@ -289,8 +305,8 @@ class P2PTransport(Transport):
         stream, works = self.comm_stream(device), []
 
         def post():
-            for dst, src in local:
-                dst.copy_(src, non_blocking=True)
+            if local:  # one multi-tensor copy, as the loopback's per rank
+                torch._foreach_copy_([d for d, _ in local], [s for _, s in local], non_blocking=True)
             if ops:
                 works.extend(dist.batch_isend_irecv(ops))
         if stream is None:
