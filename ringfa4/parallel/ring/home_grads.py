@@ -70,22 +70,28 @@ class HomeGrads:
         mode's row sums), ``(travel rows, h_kv, d)`` each: the prefix of its home accumulators (fp32;
         no home call touches the travelling rows) where it has them, else the prefix of new tensors
         of all its rows in the inputs' dtypes (the direct home call's rows follow in
-        :meth:`dkv_written`)."""
+        :meth:`dkv_written`); nothing is allocated for a rank whose rows all stay home."""
         k, v, home = self.ks[i], self.vs[i], self.homes[i]
+        n = self.run.schedule.travel_rows(self.run.ranks[i])
+        if n == 0 and home is None:
+            return k.narrow(row_dim(k), 0, 0), v.narrow(row_dim(v), 0, 0)
         if self.whole[i] is None:
             self.whole[i] = home if home is not None else (torch.empty_like(k), torch.empty_like(v))
-        n = self.run.schedule.travel_rows(self.run.ranks[i])
         return tuple(x.narrow(row_dim(x), 0, n) for x in self.whole[i])
 
     def dkv_written(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank i's dK / dV in the inputs' dtypes once :meth:`travel_out`'s rows were written: the
         direct home call's rows copied after them, or the home accumulators cast."""
-        self.travel_out(i)
-        (dk, dv), final = self.whole[i], self.finals[i]
+        k, v, final = self.ks[i], self.vs[i], self.finals[i]
         if self.homes[i] is not None:
-            return dk.to(self.ks[i].dtype), dv.to(self.vs[i].dtype)
+            dk, dv = self.homes[i]
+            return dk.to(k.dtype), dv.to(v.dtype)
+        n = self.run.schedule.travel_rows(self.run.ranks[i])
+        if n == 0:  # every row home: the direct call's own gradients (or an empty rank's)
+            return (final[1].to(k.dtype), final[2].to(v.dtype)) if final is not None else \
+                (torch.empty_like(k), torch.empty_like(v))
+        dk, dv = self.whole[i]
         if final is not None:
-            n = self.run.schedule.travel_rows(self.run.ranks[i])
             for x, f in zip((dk, dv), final[1:]):
                 x.narrow(row_dim(x), n, x.shape[row_dim(x)] - n).copy_(f)
         return dk, dv
