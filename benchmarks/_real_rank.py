@@ -146,13 +146,14 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         g = torch.Generator(device="cpu").manual_seed(rank)
         n, (h, hk, d) = spec["tokens"], spec["heads"]
         q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
+        opts = ringfa4.RingOptions(metadata_check=spec.get("metadata_check", "every_call"))
         # the stub hops: a hop copies this rank's own buffers into its receive buffers
         if spec["hops"] == "loopback":
-            cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport())
+            cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)
         elif nccl:  # the library's own P2P transport over the NCCL group (stream-ordered waits)
-            cp = ringfa4.ContextParallel(backend=spec["backend"])
+            cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
         else:
-            cp = ringfa4.ContextParallel(backend=spec["backend"])
+            cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
             cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")
         steps = cp.run(q, ringfa4.kernels.AttnSpec(causal=True)).active_steps
         rows = []
@@ -165,6 +166,7 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
             _host_us(call, 3, cuda, spec["cycles"], dist.barrier)  # warm-up (compiles), the same count everywhere
             times = _host_us(call, spec["reps"], cuda, spec["cycles"], dist.barrier)
             rows.append({"path": "real-rank", "hops": spec["hops"], "mode": "eager",
+                         "metadata_check": opts.metadata_check,
                          "pass": "fwd+bwd" if backward else "fwd",
                          "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                          "us_per_rank_step": statistics.median(times) / steps,
@@ -177,14 +179,16 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
 
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",
-                   reps: int = 10, cycles: int = 0, hops: str = "loopback") -> list[dict]:
+                   reps: int = 10, cycles: int = 0, hops: str = "loopback", metadata_check: str = "every_call"
+                   ) -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
     timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones);
-    ``backend`` "null": kernels that do nothing (``_null_backend.py``, bf16 on the CPU too).
-    Raises RuntimeError naming the rank that failed."""
+    ``backend`` "null": kernels that do nothing (``_null_backend.py``, bf16 on the CPU too);
+    ``metadata_check``: ``RingOptions.metadata_check`` (``"new_shapes"``: the calls after the first
+    repeat its key, so they skip the check). Raises RuntimeError naming the rank that failed."""
     spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
-            "hops": hops}
+            "hops": hops, "metadata_check": metadata_check}
     return spawn_ranks(_worker, world, spec, 600.0, "real-rank host cost")[0]
 
 

@@ -102,13 +102,18 @@ def packed_rows(P: int, total: int, reps: int, seed: int = 0) -> list[dict]:
 
 def real_rank_floor(P: int, tokens: int, reps: int) -> list[dict]:
     """The API level on real ranks: ``P`` spawned gloo ranks, each a distributed ContextParallel
-    with kernels that do nothing and loopback stub hops, so the per-call metadata check (a gloo
-    all-gather on the control group) is in; rank 0's rows, with the check's share of the profiled
-    call."""
+    with kernels that do nothing and loopback stub hops, so the metadata check (a gloo all-gather
+    on the control group) is in: on every call (the default), and once per call key
+    (``RingOptions(metadata_check="new_shapes")``: the timed calls repeat the first one's key);
+    rank 0's rows, with the check's share of the profiled call."""
     from _real_rank import real_rank_rows
 
-    rows = real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps)
-    return [dict(r, level="api, real rank (gloo, check included)") for r in rows]
+    rows = []
+    for check, level in (("every_call", "check every call"), ("new_shapes", "check once per key")):
+        rows += [dict(r, level=f"api, real rank (gloo, {level})")
+                 for r in real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps,
+                                         metadata_check=check)]
+    return rows
 
 
 def main() -> None:
@@ -121,7 +126,7 @@ def main() -> None:
                          "and call ('rank_steps' = P), not per rank-step")
     ap.add_argument("--real-rank", default="2",
                     help="world sizes of the real-rank rows (spawned gloo ranks, loopback stub hops, the metadata "
-                         "check included; _real_rank.py); empty: none")
+                         "check on every call and once per key; _real_rank.py); empty: none")
     ap.add_argument("--out", default="bench_results/executor_floor.json")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -30,6 +30,7 @@ __all__ = ["ENV_FIELDS", "RingOptions", "warn_ignored_env"]
 _BWD_RINGS = ("auto", "kv", "q")
 _WIRES = ("fp32", "input")
 _MERGE_KERNELS = ("auto", "cute", "triton", "torch")
+_CHECKS = ("every_call", "new_shapes")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ class RingOptions:
     cuda_graphs: capture each ring forward and backward once per call key (shapes, spec, options)
         and replay it (:mod:`ringfa4.parallel.ring.graphs`: the simulated executor, dense; other
         calls run eagerly and say why once).
+    metadata_check: when the ranks of a distributed group compare a call's metadata (one small gloo
+        all-gather on the control group, a few hundred us of host time): ``"every_call"`` (a bad
+        input on any rank is the same ValueError on every rank before any data moves), or
+        ``"new_shapes"``: only when this rank's call key (shapes, dtype, spec, layout, pack,
+        options, failures since) differs from the last one the ranks agreed on, so a model's
+        layers check once per batch, not once each. Then a rank whose input alone changed
+        while the others repeat the last key checks alone: it and its peers fail by the error
+        channel or ``timeout_s``, after the others' data started to move (docs/options.md).
     """
 
     fp32_partials: bool = True
@@ -67,12 +76,14 @@ class RingOptions:
     timeout_s: float = 300.0
     nvlink_domain: int | None = None
     cuda_graphs: bool = False
+    metadata_check: str = "every_call"
 
     def __post_init__(self) -> None:
         for name in ("fp32_partials", "fp32_grads", "epilogue_merge", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RingOptions.{name} must be True or False, got {getattr(self, name)!r}")
-        for name, allowed in (("bwd_ring", _BWD_RINGS), ("dkv_wire", _WIRES), ("merge_kernel", _MERGE_KERNELS)):
+        for name, allowed in (("bwd_ring", _BWD_RINGS), ("dkv_wire", _WIRES), ("merge_kernel", _MERGE_KERNELS),
+                              ("metadata_check", _CHECKS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RingOptions.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if isinstance(self.dkv_groups, bool) or not isinstance(self.dkv_groups, int) or self.dkv_groups < 1:
@@ -158,7 +169,7 @@ class RingOptions:
         return tuple(f.name for f in fields(cls))
 
 
-_CHOICES = {"bwd_ring": _BWD_RINGS, "dkv_wire": _WIRES, "merge_kernel": _MERGE_KERNELS}
+_CHOICES = {"bwd_ring": _BWD_RINGS, "dkv_wire": _WIRES, "merge_kernel": _MERGE_KERNELS, "metadata_check": _CHECKS}
 
 
 def _flag(auto_is: bool):
@@ -188,6 +199,7 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "RINGFA4_TIMEOUT_S": ("timeout_s", float),
     "RINGFA4_NVLINK_DOMAIN": ("nvlink_domain", _count),
     "RINGFA4_CUDA_GRAPHS": ("cuda_graphs", _flag(False)),
+    "RINGFA4_METADATA_CHECK": ("metadata_check", str),
 }
 """Each ``RINGFA4_*`` variable :meth:`RingOptions.from_env` reads: the field it sets and its parser."""
 

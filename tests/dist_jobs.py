@@ -637,3 +637,72 @@ def stream_watch_case(stuck_rank, peer, timeout_s, surface="entry"):
     raised_at = time.monotonic() - start
     return {"held_s": held_s, "wait_args": [list(a) for a in work.waits], "error": error, "raised_at_s": raised_at,
             "posted": channel.posted(call)}
+
+
+def metadata_check_once(kind, timeout_s=30.0):
+    """``RingOptions(metadata_check="new_shapes")``. ``"repeat"``: three dense calls of one shape, a
+    pack and two calls with it, a dense call of another length; returns the metadata all-gathers
+    each made and whether every result is bit-identical to the default (check every call).
+    ``"one_rank_changes"``: after an agreed call, rank 1 alone calls with other head counts while
+    the others repeat the agreed key: every rank's outcome (``_timed``)."""
+    from ringfa4.parallel import checks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    counted = {"n": 0}
+    real = checks.gather_ints
+
+    def gather(comm, call, values, what):
+        counted["n"] += what == "the metadata all-gather"
+        return real(comm, call, values, what)
+    checks.gather_ints = gather
+    try:
+        opts = ringfa4.RingOptions(metadata_check="new_shapes", timeout_s=timeout_s)
+        once = ringfa4.ContextParallel(layout="zigzag", backend="reference", options=opts)
+        every = ringfa4.ContextParallel(layout="zigzag", backend="reference", options=opts.replace(
+            metadata_check="every_call"))
+        if kind == "bad_input_after_agreed":  # rank 1's k in another dtype than q: its local check fails
+            q, k, v, _ = _inputs(1, 8 * world, 4, 2, 8, torch.float64, 3)
+            qkv = [once.shard(t) for t in (q, k, v)]
+            ringfa4.attention(*qkv, cp=once, causal=True)
+            bad = [qkv[0], qkv[1].float(), qkv[2]] if rank == 1 else qkv
+            res = _timed(lambda: ringfa4.attention(*bad, cp=once, causal=True))
+            res["after"] = _timed(lambda: ringfa4.attention(*qkv, cp=once, causal=True))["error"]
+            return res
+        if kind == "one_rank_changes":
+            q, k, v, _ = _inputs(1, 8 * world, 4, 2, 8, torch.float64, 3)
+            ringfa4.attention(*(once.shard(t) for t in (q, k, v)), cp=once, causal=True)
+            h = 2 if rank == 1 else 4
+            return _timed(lambda: ringfa4.attention(*(once.shard(t[:, :, :h]) for t in (q, k, v)), cp=once,
+                                                    causal=True))
+
+        def dense(cp, S, seed):
+            q, k, v, do = _inputs(1, S, 4, 2, 8, torch.float64, seed)
+            ql, kl, vl = (cp.shard(t).clone().requires_grad_() for t in (q, k, v))
+            out = ringfa4.attention(ql, kl, vl, cp=cp, causal=True)
+            out.backward(cp.shard(do))
+            return [out.detach(), ql.grad, kl.grad, vl.grad]
+
+        def packed(cp, pack, seed):
+            g = torch.Generator().manual_seed(seed)
+            q, k, v, do = (torch.randn(12 * world, n, 8, generator=g).double() for n in (4, 2, 2, 4))
+            ql, kl, vl = (pack.shard(t).clone().requires_grad_() for t in (q, k, v))
+            out = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, causal=True)
+            out.backward(pack.shard(do))
+            return [out.detach(), ql.grad, kl.grad, vl.grad]
+
+        cu = torch.tensor([0, 5, 9, 12 * world], dtype=torch.int32)
+        counts, same = [], True
+        for cp in (once, every):
+            counted["n"] = 0
+            got = [dense(cp, 8 * world, s) for s in range(3)]
+            pack = cp.pack(cu)
+            got += [packed(cp, pack, s) for s in range(2)]
+            got.append(dense(cp, 16 * world, 9))
+            counts.append(counted["n"])
+            if cp is once:
+                first = got
+            else:
+                same = all(torch.equal(a, b) for x, y in zip(first, got) for a, b in zip(x, y))
+        return {"checks_once": counts[0], "checks_every": counts[1], "identical": same}
+    finally:
+        checks.gather_ints = real

@@ -176,3 +176,53 @@ def test_clean_interpreter_exit_after_packed_calls():
         outs = [p.communicate(timeout=120)[0] for p in procs]
         codes = [p.returncode for p in procs]
         assert codes == [0, 0], (run, codes, [o[-600:] for o in outs])
+
+
+@pytest.mark.timeout(120)
+def test_metadata_check_once_per_key(pool3):
+    """``RingOptions(metadata_check="new_shapes")`` (issue 23): three calls of one shape, then two
+    with a pack, then another length check three times, not six, with bit-identical results."""
+    res = pool3.run("metadata_check_once", "repeat", timeout=90)
+    assert all(status == "ok" for status, _ in res), res
+    for _, value in res:
+        assert value == {"checks_once": 3, "checks_every": 6, "identical": True}, value
+
+
+@pytest.mark.timeout(120)
+def test_metadata_check_once_when_one_rank_alone_changes():
+    """The cost of checking once per key: when rank 1 alone changes its call while the others repeat
+    the agreed key, the others move data without a check; nobody hangs past the timeout, and every
+    rank fails (own pool: the ranks leave a call unfinished)."""
+    pool = Pool(3, pg_timeout_s=30)
+    try:
+        res = pool.run("metadata_check_once", "one_rank_changes", 4.0, timeout=90)
+    finally:
+        pool.close(join_s=2)
+    assert all(status == "ok" for status, _ in res), res
+    outcomes = [value for _, value in res]
+    assert all(o["error"] != "ok" for o in outcomes), outcomes
+    assert all(o["end"] - o["start"] < 3 * 4.0 + 10 for o in outcomes), outcomes
+    assert re.search(r"^rank 1: the metadata all-gather of call \d+ timed out", outcomes[1]["message"]), outcomes
+    for r in (0, 2):  # the others: in the ring, waiting on rank 1 (among others)
+        assert re.search(rf"^rank {r}: a ring hop of call \d+ timed out after 4 s waiting on rank\(s\) .*1",
+                         outcomes[r]["message"]), outcomes
+
+
+@pytest.mark.timeout(120)
+def test_metadata_check_once_bad_input_reaches_all():
+    """With the check once per key, bad input on one rank after an agreed call (its k in another
+    dtype than q: a local check) still ends as the same ValueError on every rank within seconds
+    (posted to the error channel: the others skip the exchange and raise it from their first
+    wait), and the next correct call runs (own pool: the others left a call mid-ring)."""
+    pool = Pool(3, pg_timeout_s=30)
+    try:
+        res = pool.run("metadata_check_once", "bad_input_after_agreed", 20.0, timeout=90)
+    finally:
+        pool.close(join_s=2)
+    assert all(status == "ok" for status, _ in res), res
+    outcomes = [value for _, value in res]
+    assert all(o["error"] == "ValueError" for o in outcomes), outcomes
+    assert len({o["message"] for o in outcomes}) == 1, outcomes
+    assert re.search(r"^rank 1: ", outcomes[0]["message"]), outcomes
+    assert all(o["end"] - o["start"] < 10 for o in outcomes), outcomes  # well within the 20 s timeout
+    assert all(o["after"] == "ok" for o in outcomes), outcomes

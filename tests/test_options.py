@@ -26,6 +26,7 @@ BAD = [
     ({"dkv_groups": True}, r"RingOptions.dkv_groups must be an int >= 1, got True"),
     ({"dkv_wire": "bf16"}, r"RingOptions.dkv_wire must be one of \('fp32', 'input'\), got 'bf16'"),
     ({"merge_kernel": "cuda"}, r"RingOptions.merge_kernel must be one of \('auto', 'cute', 'triton', 'torch'\)"),
+    ({"metadata_check": "never"}, r"RingOptions.metadata_check must be one of \('every_call', 'new_shapes'\)"),
     ({"timeout_s": 0}, r"RingOptions.timeout_s must be a finite number of seconds > 0, got 0"),
     ({"timeout_s": float("inf")}, r"RingOptions.timeout_s must be a finite number"),
     ({"nvlink_domain": 0}, r"RingOptions.nvlink_domain must be None or an int >= 1, got 0"),
@@ -54,10 +55,10 @@ def test_from_env_parses_every_variable():
     env = {"RINGFA4_FP32_PARTIALS": "0", "RINGFA4_FP32_GRADS": "auto", "RINGFA4_EPILOGUE_MERGE": "0",
            "RINGFA4_BWD_RING": "q", "RINGFA4_DKV_GROUPS": "4", "RINGFA4_DKV_WIRE": "input",
            "RINGFA4_MERGE": "triton", "RINGFA4_TIMEOUT_S": "12.5", "RINGFA4_NVLINK_DOMAIN": "72",
-           "RINGFA4_CUDA_GRAPHS": "1", "OTHER": "x"}
+           "RINGFA4_CUDA_GRAPHS": "1", "RINGFA4_METADATA_CHECK": "new_shapes", "OTHER": "x"}
     assert RingOptions.from_env(env) == RingOptions(
         fp32_partials=False, fp32_grads=True, epilogue_merge=False, bwd_ring="q", dkv_groups=4, dkv_wire="input",
-        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72, cuda_graphs=True)
+        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72, cuda_graphs=True, metadata_check="new_shapes")
     assert set(options_module.ENV_FIELDS) == {v for v in env if v != "OTHER"}
     assert {f for f, _ in options_module.ENV_FIELDS.values()} == set(RingOptions.field_names())
     assert RingOptions.from_env({}) == RingOptions()
@@ -86,7 +87,7 @@ def test_from_mapping_rejects_unknown_keys():
 
 def test_encode_round_trips_every_field():
     o = RingOptions(fp32_partials=False, bwd_ring="q", dkv_groups=3, dkv_wire="input", merge_kernel="torch",
-                    timeout_s=12.25, nvlink_domain=8, cuda_graphs=True)
+                    timeout_s=12.25, nvlink_domain=8, cuda_graphs=True, metadata_check="new_shapes")
     codes = o.encode()
     assert len(codes) == len(RingOptions.field_names()) and all(isinstance(c, int) for c in codes)
     assert {n: RingOptions.decode_field(n, c) for n, c in zip(RingOptions.field_names(), codes)} == \

@@ -18,8 +18,8 @@ from ..kernels.validate import validate_block
 from ..options import RingOptions
 from .layouts import Layout
 
-__all__ = ["CPGroup", "CallShape", "check_local", "check_plan", "exchange_and_check", "gather_ints", "gather_text",
-           "check_cu_seqlens"]
+__all__ = ["CPGroup", "CallShape", "call_key", "check_local", "check_plan", "exchange_and_check", "gather_ints",
+           "gather_text", "check_cu_seqlens"]
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _OPTION_FIELDS = tuple(f"options.{n}" for n in RingOptions.field_names())
@@ -130,6 +130,13 @@ class CPGroup(Protocol):
     world_size: int
     layout: Layout
     options: RingOptions
+
+
+def call_key(cp: CPGroup, shape: CallShape, spec: AttnSpec, packing: int, epoch: int) -> tuple[int, ...]:
+    """What :func:`exchange_and_check` compares of this rank's call, without the call number, and
+    the rank's ``epoch`` (grows with every failed call): equal keys on consecutive calls mean the
+    ranks agreed on it already (``RingOptions(metadata_check="new_shapes")`` skips the exchange)."""
+    return (epoch, *_meta(0, shape, spec, cp.layout, packing, cp.options))
 
 
 def gather_ints(comm, call: int, values: list[int], what: str) -> list[list[int]]:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.spec import AttnSpec
-from .checks import CallShape, check_cu_seqlens, exchange_and_check, gather_ints
+from .checks import CallShape, call_key, check_cu_seqlens, exchange_and_check, gather_ints
 from .errors import Channel, is_peer_failure
 from .transport import LoopbackTransport, P2PTransport, Transport
 from .ulysses import UlyssesComm, heads_to_seq, lse_heads_to_seq, seq_to_heads, split_heads
@@ -173,6 +173,7 @@ class DistributedGroup:
         self.control = _control_group(self.group, self.global_ranks, timeout) if top and self._local() else None
         self.agreed_epoch = 0
         self.agreed_seq_len: int | None = None  # the last check's sum of dense local lengths
+        self.agreed_key: tuple[int, ...] | None = None  # this rank's key of the last check that passed
         self.data = _data_group(self.group, self.global_ranks, timeout) if top and self._local() else None
         self.epoch = self.data[0] if self.data else 0
         self.on_new_epoch: Callable[[], None] | None = None  # renews a hybrid's sub-groups (ContextParallel)
@@ -287,11 +288,27 @@ class DistributedGroup:
               cu: tuple[int, ...] | None = None) -> None:
         """The metadata all-gather: the same ValueError on every rank, before any data moves
         (``cu``: the pack's cu_seqlens, compared boundary by boundary when the fingerprints
-        differ); renews the data groups first when a rank failed a call since the last check."""
+        differ); renews the data groups first when a rank failed a call since the last check.
+        With ``RingOptions(metadata_check="new_shapes")`` a call whose key (:func:`.checks.call_key`)
+        equals the last agreed one skips it: the call number moves on as the check would move it
+        (every rank skips alike), and a failure the stream watch found since is raised there; a
+        rank whose local checks failed posts its ValueError to the error channel and raises it
+        without the exchange (the peers may be skipping it), so every rank raises the same
+        ValueError within about a second, from its exchange or from the call's first wait."""
         if not self._local():
             if error:
                 raise ValueError(error)
             return
+        new_shapes = cp.options.metadata_check == "new_shapes"
+        once = new_shapes and error is None and shape is not None
+        if once and call_key(cp, shape, spec, fingerprint, self.channel.want_epoch) == self.agreed_key:
+            self.channel.next_call()
+            return
+        self.agreed_key = None
+        if new_shapes and error:  # peers that repeat the agreed key skip the exchange: post it instead,
+            call = self.channel.next_call()  # so they raise it from their waits (a ValueError stays one), and
+            self.channel.post(call, error, "ValueError")  # peers in the exchange see it there, within seconds
+            raise ValueError(error)
         try:
             exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch)
         except ValueError as exc:
@@ -300,6 +317,8 @@ class DistributedGroup:
                 check_cu_seqlens(self, list(cu), None)
             raise
         self._renew()
+        if once:  # (after the renewal, which may move want_epoch: the next call's key is compared to this)
+            self.agreed_key = call_key(cp, shape, spec, fingerprint, self.channel.want_epoch)
 
     def check_pack(self, cu: list[int] | None, error: str | None) -> None:
         """``cp.pack``'s cu_seqlens against every rank's (see :func:`.checks.check_cu_seqlens`)."""
