@@ -188,18 +188,24 @@ def test_metadata_check_once_per_key(pool3):
         assert value == {"checks_once": 3, "checks_every": 6, "identical": True}, value
 
 
+def _once_in_own_pool(kind: str, timeout_s: float) -> list[dict]:
+    """``metadata_check_once(kind, timeout_s)`` on a fresh 3-rank pool (the ranks may leave a call
+    unfinished): every rank's outcome."""
+    pool = Pool(3, pg_timeout_s=30)
+    try:
+        res = pool.run("metadata_check_once", kind, timeout_s, timeout=90)
+    finally:
+        pool.close(join_s=2)
+    assert all(status == "ok" for status, _ in res), res
+    return [value for _, value in res]
+
+
 @pytest.mark.timeout(120)
 def test_metadata_check_once_when_one_rank_alone_changes():
     """The cost of checking once per key: when rank 1 alone changes its call while the others repeat
     the agreed key, the others move data without a check; nobody hangs past the timeout, and every
     rank fails (own pool: the ranks leave a call unfinished)."""
-    pool = Pool(3, pg_timeout_s=30)
-    try:
-        res = pool.run("metadata_check_once", "one_rank_changes", 4.0, timeout=90)
-    finally:
-        pool.close(join_s=2)
-    assert all(status == "ok" for status, _ in res), res
-    outcomes = [value for _, value in res]
+    outcomes = _once_in_own_pool("one_rank_changes", 4.0)
     assert all(o["error"] != "ok" for o in outcomes), outcomes
     assert all(o["end"] - o["start"] < 3 * 4.0 + 10 for o in outcomes), outcomes
     assert re.search(r"^rank 1: the metadata all-gather of call \d+ timed out", outcomes[1]["message"]), outcomes
@@ -214,13 +220,7 @@ def test_metadata_check_once_bad_input_reaches_all():
     dtype than q: a local check) still ends as the same ValueError on every rank within seconds
     (posted to the error channel: the others skip the exchange and raise it from their first
     wait), and the next correct call runs (own pool: the others left a call mid-ring)."""
-    pool = Pool(3, pg_timeout_s=30)
-    try:
-        res = pool.run("metadata_check_once", "bad_input_after_agreed", 20.0, timeout=90)
-    finally:
-        pool.close(join_s=2)
-    assert all(status == "ok" for status, _ in res), res
-    outcomes = [value for _, value in res]
+    outcomes = _once_in_own_pool("bad_input_after_agreed", 20.0)
     assert all(o["error"] == "ValueError" for o in outcomes), outcomes
     assert len({o["message"] for o in outcomes}) == 1, outcomes
     assert re.search(r"^rank 1: ", outcomes[0]["message"]), outcomes
