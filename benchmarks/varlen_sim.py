@@ -9,8 +9,9 @@ buffers (the bytes a real rank receives; their contents are its own, stale: timi
 exchange writes the bytes the rank receives. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
 time), so an unbalanced placement cannot score well. The one call and every rank are timed in
-interleaved rounds (``--rounds``, after one discarded; ``_common.interleaved_ms``): each time is
-the median over the rounds, so a drift of the GPU's speed during the run moves them alike instead of
+interleaved rounds (``--rounds``, after one discarded; ``_common.interleaved_ms``; a round times
+each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events): each time is the median over
+the rounds, so a drift of the GPU's speed during the run moves them alike instead of
 landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
 0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
 Also:
@@ -92,6 +93,29 @@ class _OneRank(LoopbackTransport):
         if dsts:
             torch._foreach_copy_(dsts, srcs)  # as the loopback transport: one multi-tensor copy
         return Pending()
+
+
+_FLUSH: list = []  # a 256 MiB buffer zeroed before each timed call, as triton's do_bench clears L2
+
+
+def _round_ms(fn, sets, rep: float) -> float:
+    """One interleaved round's time (ms) of ``fn``: a warm call, then calls for about ``rep`` ms (at
+    least 3), each behind an L2 flush and timed by CUDA events; the median. (``do_bench`` spends 7
+    calls estimating and warming up a 400 ms call before timing one: 36 of those a pass at P = 8.)"""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(1 << 28, dtype=torch.int8, device="cuda"))
+    call = rotating(fn, sets)
+    call()
+    times = []
+    while len(times) < 3 or sum(times) < rep:
+        _FLUSH[0].zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _rank_step(run, fwd, bwd, backward: bool):
@@ -210,7 +234,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                 for r in range(P):
                     run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
                     fns[r] = rotating(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
-                timed = interleaved_ms(fns, [()], rounds=rounds, rep=rep)
+                timed = interleaved_ms(fns, [()], rounds=rounds, rep=rep, measure=_round_ms)
                 per_rank = [timed[r]["ms"] for r in range(P)]
                 full_ms = timed["full"]["ms"]
                 per_round = [timed["full"]["rounds"][k] / (P * max(timed[r]["rounds"][k] for r in range(P)))
@@ -243,7 +267,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--modes", default="balanced,ring,allgather",
                     help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel")
-    ap.add_argument("--rep", type=int, default=50, help="ms of do_bench per timing")
+    ap.add_argument("--rep", type=int, default=50, help="ms of timed calls a function and round (at least 3 calls)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (after one discarded)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
     ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
