@@ -17,10 +17,11 @@ the ring forward / backward alone on already split shards (eager); and with ``--
 functions where one call's host time goes (cProfile, own and cumulative time, top 30). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
 ``--graphs`` adds rows with ``RingOptions(cuda_graphs=True)`` (host time of a replay, its
-efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "real-rank"`` rows: P
-spawned gloo ranks on this GPU, each a distributed ``ContextParallel`` with stub hops, so a rank pays
-what a real one pays on the host (its metadata check over the gloo control group included) but no
-NCCL (:mod:`_real_rank`); rank 0's host time per rank-step.
+efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "real-rank"`` rows (one
+set per ``--metadata-check`` value): P spawned gloo ranks on this GPU, each a distributed
+``ContextParallel`` with stub hops, so a rank pays what a real one pays on the host (its metadata check
+over the gloo control group included, on every call or once per call key) but no NCCL
+(:mod:`_real_rank`); rank 0's host time per rank-step.
 
     python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--graphs]
         [--real-rank] [--profile] [--out benchmarks/results/host_cost.json]
@@ -236,6 +237,9 @@ def main() -> None:
                     help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking; "
                          "nccl: real NCCL hops, one GPU a rank")
     ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
+    ap.add_argument("--metadata-check", default="every_call,new_shapes",
+                    help="real-rank RingOptions.metadata_check values (every_call: the check on every call; "
+                         "new_shapes: once per call key)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
@@ -265,8 +269,10 @@ def main() -> None:
         if args.real_rank:
             from _real_rank import real_rank_rows
 
-            for tokens, hops in itertools.product((int(t) for t in args.tokens.split(",")), args.hops.split(",")):
-                rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops)
+            for tokens, hops, check in itertools.product((int(t) for t in args.tokens.split(",")),
+                                                         args.hops.split(","), args.metadata_check.split(",")):
+                rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
+                                      metadata_check=check)
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows
@@ -281,7 +287,8 @@ def main() -> None:
           "launches/rank-step | efficiency | of calls alone | waited |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
-        print(f"| {r.get('path', 'simulated')} {r.get('hops', '')} {r['layout']} | {r['mode']} | {r['P']} | "
+        print(f"| {r.get('path', 'simulated')} {r.get('hops', '')} {r.get('metadata_check', '')} {r['layout']} | "
+              f"{r['mode']} | {r['P']} | "
               f"{r['tokens_per_rank']} | "
               f"{r['pass']} | "
               f"{r['us_per_rank_step']:.0f} | "

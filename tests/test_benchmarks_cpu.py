@@ -189,12 +189,16 @@ def test_host_cost_imports_and_parses():
 
 def test_real_rank_host_cost_runs_on_gloo_ranks():
     """host_cost's real-rank path: spawned gloo ranks, a distributed ContextParallel with stub hops
-    (CPU, the reference backend): rank 0's rows for fwd and fwd+bwd, positive times."""
+    (CPU, the reference backend): rank 0's rows for fwd and fwd+bwd, positive times; the metadata
+    check in the profiled call on every call, and not at all once per call key (the key repeats)."""
     from _real_rank import real_rank_rows
 
     rows = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2)
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all(r["path"] == "real-rank" and r["P"] == 2 and r["us_per_rank_step"] > 0 for r in rows)
+    assert all(r["metadata_check"] == "every_call" and r["check_share"] > 0 for r in rows)
+    once = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, metadata_check="new_shapes")
+    assert all(r["metadata_check"] == "new_shapes" and r["check_share"] == 0 for r in once), once  # key repeated
 
 
 def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():
