@@ -61,9 +61,10 @@ class RingOptions:
         input on any rank is the same ValueError on every rank before any data moves), or
         ``"new_shapes"``: only when this rank's call key (shapes, dtype, spec, layout, pack,
         options, failures since) differs from the last one the ranks agreed on, so a model's
-        layers check once per batch, not once each. Then a rank whose input alone changed
-        while the others repeat the last key checks alone: it and its peers fail by the error
-        channel or ``timeout_s``, after the others' data started to move (docs/options.md).
+        layers check once per batch, not once each. A rank whose input alone changed while the
+        others repeat the last key still gets the same ValueError on every rank within about a
+        second (through the error channel), but after the others' data started to move: on
+        NCCL the communicators are then aborted (docs/options.md).
     """
 
     fp32_partials: bool = True

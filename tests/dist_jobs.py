@@ -644,7 +644,8 @@ def metadata_check_once(kind, timeout_s=30.0):
     pack and two calls with it, a dense call of another length; returns the metadata all-gathers
     each made and whether every result is bit-identical to the default (check every call).
     ``"one_rank_changes"``: after an agreed call, rank 1 alone calls with other head counts while
-    the others repeat the agreed key: every rank's outcome (``_timed``)."""
+    the others repeat the agreed key: every rank's outcome (``_timed``) and the next call's.
+    ``"bad_input_after_agreed"``: the same with a local check failing on rank 1."""
     from ringfa4.parallel import checks
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -672,8 +673,11 @@ def metadata_check_once(kind, timeout_s=30.0):
             q, k, v, _ = _inputs(1, 8 * world, 4, 2, 8, torch.float64, 3)
             ringfa4.attention(*(once.shard(t) for t in (q, k, v)), cp=once, causal=True)
             h = 2 if rank == 1 else 4
-            return _timed(lambda: ringfa4.attention(*(once.shard(t[:, :, :h]) for t in (q, k, v)), cp=once,
-                                                    causal=True))
+            res = _timed(lambda: ringfa4.attention(*(once.shard(t[:, :, :h]) for t in (q, k, v)), cp=once,
+                                                   causal=True))
+            res["after"] = _timed(lambda: ringfa4.attention(*(once.shard(t) for t in (q, k, v)), cp=once,
+                                                            causal=True))["error"]
+            return res
 
         def dense(cp, S, seed):
             q, k, v, do = _inputs(1, S, 4, 2, 8, torch.float64, seed)

@@ -169,14 +169,17 @@ def _agree_on_errors(comm, call: int, error: str | None, failed: list[int]) -> N
 
 
 def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: AttnSpec, packing: int = 0,
-                       epoch: int = 0) -> int:
+                       epoch: int = 0, announce: bool = False) -> int:
     """All-gather a fixed-size metadata vector (an error flag, this rank's ``epoch`` and the call's
     shapes, spec, layout, pack and every field of ``cp.options``) over the control group; raise
     the same ValueError on every rank if any rank failed its local checks or the ranks disagree.
     Returns the largest epoch of any rank (the group renews its data groups when it grew), also
-    when it raises (``cp.comm.agreed_epoch``)."""
+    when it raises (``cp.comm.agreed_epoch``). ``announce``: say so in the error channel first
+    (:meth:`.errors.Channel.announce_check`: peers that skip the check see it from their waits)."""
     comm = cp.comm
     call = comm.channel.next_call()
+    if announce:
+        comm.channel.announce_check(call)
     n = sum(_FIELD_SIZES)
     meta = [1 if error else 0, epoch] + ([0] * n if error else _meta(call, shape, spec, cp.layout, packing,
                                                                       cp.options))

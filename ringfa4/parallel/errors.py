@@ -14,9 +14,14 @@ of a call (its backward included) use its number. Store keys live under
   ``reached/<rank>`` (the call number it reached) when it sees it, and after a short grace the
   waiting ranks name the ranks that never arrived. A late rank that sees it gives up at once.
 - ``alive/<rank>``: after a connection closed, the live ranks say so; the others are dead.
+- ``checking`` and ``checking/<rank>`` (``RingOptions(metadata_check="new_shapes")`` only): a rank
+  whose call key is new announces its metadata check and waits until every rank has (so no rank
+  is left in an all-gather the others skip); a rank that skipped the check and sees ``checking``
+  from its wait posts the ValueError naming the announcing rank.
 
-No store traffic on the success path: the store is read only while a wait has already taken
-longer than :data:`WATCH_AFTER_S`, then every :data:`POLL_S` (so a posted error reaches every
+No store traffic on the success path (but a new call key's announcement under ``new_shapes``): the
+store is read only while a wait has already taken longer than :data:`WATCH_AFTER_S`, then every
+:data:`POLL_S` (so a posted error reaches every
 waiting rank within about a second). Over gloo every wait is a collective's, polled in short
 slices (a timed-out slice of a gloo *send/receive* closes the whole group, a collective's does
 not). Over NCCL a wait is stream-ordered (:mod:`.watch`): the host never blocks on a transfer; a
@@ -93,6 +98,7 @@ class Channel:
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
         self.call = _SEQ.get(self.name, 0)
         self.retired: list[Any] = []  # works of failed calls, kept alive (gloo may still write into them)
+        self.announced: int | None = None  # the call whose metadata check this rank announced (new_shapes)
         self.streams = StreamWatch(self, timeout_s, _abort_nccl, POLL_S, WATCH_AFTER_S)
 
     @property
@@ -143,6 +149,56 @@ class Channel:
         except Exception:
             return None
         return None
+
+    def announce_check(self, call: int) -> None:
+        """``RingOptions(metadata_check="new_shapes")``: this rank runs ``call``'s metadata check
+        because its call key is new. Where the others repeat the agreed key they skip the check
+        and wait in the call's data instead (:meth:`mismatch` there posts the ValueError that names
+        this rank within about a second), so the check's all-gather starts only once every rank
+        said it checks too (``store.wait`` on their ``checking/<rank>`` keys, in slices, watching
+        for a posted error): no rank is ever left in a collective the others never join. Store
+        traffic on new keys only; nothing on the calls that skip."""
+        self.announced = call
+        store = _store()
+        if store is None:
+            return
+        try:
+            store.compare_set(self._key(call, "checking"), "", str(self.rank))
+            store.set(self._key(call, f"checking/{self.rank}"), "1")
+        except Exception:
+            return  # no store: the all-gather's own wait names what went wrong
+        keys = [self._key(call, f"checking/{r}") for r in range(self.world)]
+        start = time.monotonic()
+        deadline, step = start + self.timeout_s, 0.002
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=step))
+                return
+            except Exception:
+                pass
+            step = min(step * 2, POLL_S)
+            found = self.posted(call)
+            if found is not None:
+                raise self.peer_error(call, "the metadata check", found)
+            if time.monotonic() >= deadline:
+                raise self._timed_out(call, "the metadata check", None)
+
+    def mismatch(self, call: int) -> Exception | None:
+        """Polled while a wait of ``call`` has taken long: where another rank announced ``call``'s
+        metadata check and this one did not (it repeated the agreed key: its data already moves),
+        post and return the ValueError that names that rank; else None."""
+        if self.announced == call or not self._has(call, "checking"):
+            return None
+        try:
+            who = int(_store().get(self._key(call, "checking")).decode())
+        except Exception:
+            return None
+        self.post(call, f"rank {who}: call {call}'s metadata (shapes, dtype, device, spec, layout, pack or options) "
+                        "differ from the last call the ranks agreed on, which other ranks repeated; with "
+                        "RingOptions(metadata_check='new_shapes') every rank must change them in the same call",
+                  "ValueError", rank=who)
+        found = self.posted(call)
+        return self.peer_error(call, "the call", found) if found is not None else None
 
     def _mark(self, call: int, what: str, value: str = "1") -> bool:
         store = _store()
@@ -202,6 +258,10 @@ class Channel:
                 if found is not None:
                     self.retired.append(work)
                     raise self.peer_error(call, what, found)
+                odd = self.mismatch(call)
+                if odd is not None:
+                    self.retired.append(work)
+                    raise odd
                 self.watch_dead(call)
                 if self._has(call, "timeout"):
                     self._mark(call, f"reached/{self.rank}", str(call))
@@ -220,6 +280,9 @@ class Channel:
         found = self.posted(call)
         if found is not None and found["rank"] != self.rank:
             return self.peer_error(call, what, found)
+        odd = self.mismatch(call)
+        if odd is not None:
+            return odd
         self.watch_dead(call)
         if self._has(call, "timeout"):
             self._mark(call, f"reached/{self.rank}", str(call))

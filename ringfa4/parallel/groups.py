@@ -292,9 +292,10 @@ class DistributedGroup:
         With ``RingOptions(metadata_check="new_shapes")`` a call whose key (:func:`.checks.call_key`)
         equals the last agreed one skips it: the call number moves on as the check would move it
         (every rank skips alike), and a failure the stream watch found since is raised there; a
-        rank whose local checks failed posts its ValueError to the error channel and raises it
-        without the exchange (the peers may be skipping it), so every rank raises the same
-        ValueError within about a second, from its exchange or from the call's first wait."""
+        rank whose key is new announces its check and exchanges once every rank has
+        (:meth:`.errors.Channel.announce_check`; peers that skipped it post the mismatch); a rank
+        whose local checks failed posts its ValueError and raises it without the exchange, so
+        every rank raises the same ValueError within about a second."""
         if not self._local():
             if error:
                 raise ValueError(error)
@@ -310,7 +311,7 @@ class DistributedGroup:
             self.channel.post(call, error, "ValueError")  # peers in the exchange see it there, within seconds
             raise ValueError(error)
         try:
-            exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch)
+            exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch, announce=once)
         except ValueError as exc:
             self._renew()
             if cu is not None and "packing (cu_seqlens and mode fingerprint)" in str(exc):
