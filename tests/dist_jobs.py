@@ -645,7 +645,8 @@ def metadata_check_once(kind, timeout_s=30.0):
     each made and whether every result is bit-identical to the default (check every call).
     ``"one_rank_changes"``: after an agreed call, rank 1 alone calls with other head counts while
     the others repeat the agreed key: every rank's outcome (``_timed``) and the next call's.
-    ``"bad_input_after_agreed"``: the same with a local check failing on rank 1."""
+    ``"bad_input_after_agreed"`` / ``"bad_input_on_two"``: the same with a local check failing on
+    rank 1 / on ranks 1 and 2."""
     from ringfa4.parallel import checks
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -661,11 +662,11 @@ def metadata_check_once(kind, timeout_s=30.0):
         once = ringfa4.ContextParallel(layout="zigzag", backend="reference", options=opts)
         every = ringfa4.ContextParallel(layout="zigzag", backend="reference", options=opts.replace(
             metadata_check="every_call"))
-        if kind == "bad_input_after_agreed":  # rank 1's k in another dtype than q: its local check fails
+        if kind in ("bad_input_after_agreed", "bad_input_on_two"):  # k in another dtype than q: a local check
             q, k, v, _ = _inputs(1, 8 * world, 4, 2, 8, torch.float64, 3)
             qkv = [once.shard(t) for t in (q, k, v)]
             ringfa4.attention(*qkv, cp=once, causal=True)
-            bad = [qkv[0], qkv[1].float(), qkv[2]] if rank == 1 else qkv
+            bad = [qkv[0], qkv[1].float(), qkv[2]] if rank == 1 or (kind == "bad_input_on_two" and rank == 2) else qkv
             res = _timed(lambda: ringfa4.attention(*bad, cp=once, causal=True))
             res["after"] = _timed(lambda: ringfa4.attention(*qkv, cp=once, causal=True))["error"]
             return res

@@ -309,7 +309,8 @@ class DistributedGroup:
         if new_shapes and error:  # peers that repeat the agreed key skip the exchange: post it instead,
             call = self.channel.next_call()  # so they raise it from their waits (a ValueError stays one), and
             self.channel.post(call, error, "ValueError")  # peers in the exchange see it there, within seconds
-            raise ValueError(error)
+            found = self.channel.posted(call)  # the first post wins: several bad ranks raise the same one
+            raise self.channel.peer_error(call, "the metadata check", found) if found else ValueError(error)
         try:
             exchange_and_check(cp, error, shape, spec, fingerprint, self.channel.want_epoch, announce=once)
         except ValueError as exc:
