@@ -295,6 +295,12 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
         for _, row, n in sched.sends(r, 0):
             times_sent[row:row + n] += 1
         assert torch.equal(sums.ptr.diff(), times_sent[sums.dst]), "a row's pieces: one per time it was sent"
+        sizes, piece, slots, returns = sched.pieces(r, 0)  # the buffer's cut: each view one piece of one split
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        assert sum(sizes) == lay.rows + staged and sum(sizes[:slots]) == lay.rows
+        assert all((starts[j], sizes[j]) == (m.slot_row, m.n) for m, j in zip(lay.moves, piece))
+        returned = [n for dst, _, n in sched.sends(r, 0) if dst != r]
+        assert [sizes[j] for j in returns] == returned and all(j >= slots for j in returns)
     ref = reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 

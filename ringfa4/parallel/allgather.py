@@ -211,6 +211,33 @@ class AllGatherSchedule(PackSchedule):
         return sum(n for dst, _, n in self.sends(rank, g) if dst != rank)
 
     @cached_method
+    def pieces(self, rank: int, g: int) -> tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]:
+        """The group buffer's rows cut so that every view a call moves comes out of one
+        ``split`` (one C++ call, not a ``narrow`` each): consecutive piece sizes over its
+        :attr:`GroupLayout.rows` and then the :meth:`return_rows` staged. Returns the sizes, the
+        piece of each move (in :attr:`GroupLayout.moves` order: moves tile the slots they fill,
+        copied slots lie between them), how many pieces cover the slots, and the piece of each
+        return (its :meth:`sends` to other ranks, in order)."""
+        lay = self.layout(rank, g)
+        sizes: list[int] = []
+        piece, at = [0] * len(lay.moves), 0
+        for i in sorted(range(len(lay.moves)), key=lambda i: lay.moves[i].slot_row):
+            m = lay.moves[i]
+            if m.slot_row > at:  # copied slots
+                sizes.append(m.slot_row - at)
+            piece[i], at = len(sizes), m.slot_row + m.n
+            sizes.append(m.n)
+        if at < lay.rows:
+            sizes.append(lay.rows - at)
+        slots = len(sizes)
+        returns = []
+        for dst, _, n in self.sends(rank, g):
+            if dst != rank:
+                returns.append(len(sizes))
+                sizes.append(n)
+        return tuple(sizes), tuple(piece), slots, tuple(returns)
+
+    @cached_method
     def return_sums(self, rank: int, g: int, device: torch.device) -> RowSums:
         """Each of ``rank``'s travelling rows of group ``g``'s documents as the sum of its pieces,
         over the group's gradient buffer (its slots' :attr:`GroupLayout.rows`, then the
@@ -267,7 +294,9 @@ class _Arriving:
             lay = sched.layout(r, g)
             kv = (k.new_empty((lay.rows,) + tuple(k.shape[1:])), v.new_empty((lay.rows,) + tuple(v.shape[1:])))
             held.append(kv)
-            recvs.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves for x in kv])
+            sizes, piece, slots, _ = sched.pieces(r, g)
+            parts = [x.split(sizes[:slots]) for x in kv]
+            recvs.append([(m.src, part[j]) for m, j in zip(lay.moves, piece) for part in parts])
             sends.append([(dst, _rows(x, row, n)) for dst, row, n in sched.sends(r, g) for x in (k, v)])
         return held, self.run.transport.move_start(sends, recvs, "the K/V exchange")
 
@@ -374,13 +403,11 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
             for row, frm, n in lay.copies:  # a copied slot's gradients into the slot it came from
                 for x in grads:
                     _rows(x, frm, n).add_(_rows(x, row, n))
-            sends.append([(m.src, _rows(x, m.slot_row, m.n)) for m in lay.moves if m.src != r for x in grads])
-            at, got = lay.rows, []
-            for dst, _, n in sched.sends(r, g):
-                if dst != r:
-                    got += [(dst, _rows(x, at, n)) for x in buf]
-                    at += n
-            recvs.append(got)
+            sizes, piece, _, returns = sched.pieces(r, g)
+            parts = [x.split(sizes) for x in buf]
+            sends.append([(m.src, part[j]) for m, j in zip(lay.moves, piece) if m.src != r for part in parts])
+            back_from = [dst for dst, _, _ in sched.sends(r, g) if dst != r]
+            recvs.append([(dst, part[j]) for dst, j in zip(back_from, returns) for part in parts])
             bufs.append(buf)
         del held  # (the next group's K/V already arriving)
         returning.append((g, run.transport.move_start(sends, recvs, "the dK/dV exchange"), bufs))
