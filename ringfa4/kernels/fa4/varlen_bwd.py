@@ -34,6 +34,7 @@ zero-length q segment crashes FA4's varlen backward: callers never pass one.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -121,15 +122,11 @@ def _padded_rows_i32(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
     return _of_cu(cu, ("padded rows i32", total, tile), lambda: _padded_rows_of(cu, total, tile).int())
 
 
-_ORDERS32: dict[int, tuple] = {}  # id of a tile order -> (the order, its int32 copy)
-
-
+@functools.cache
 def _int32(order: torch.Tensor) -> torch.Tensor:
-    """A tile order (cached for the process by :func:`.bwd_accum._tile_order`) as int32, once."""
-    got = _ORDERS32.get(id(order))
-    if got is None or got[0] is not order:
-        got = _ORDERS32[id(order)] = (order, order.int())
-    return got[1]
+    """A tile order (one per plan and kind, cached for the process by :func:`.bwd_accum._tile_order`)
+    as int32, made once."""
+    return order.int()
 
 
 def _add_rows_(acc, accum: torch.Tensor, cu: torch.Tensor, tile: int, order: torch.Tensor, d_r: int,
