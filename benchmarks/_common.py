@@ -118,3 +118,31 @@ def calls_alone(cp, spec, be, backward, cache: dict | None = None):
                     if backward:
                         calls.backward(be, b, (dos[r], qs[r], ks[src], vs[src], o_s, l_s), ring.spec)
     return run
+
+
+def graphs_against_eager(eager, graphed, S: int, seeds: int = 3, h: int = 8, d: int = 128) -> dict:
+    """``graphed`` (a ``RingOptions(cuda_graphs=True)`` group) against ``eager`` (the same group
+    eager), distributed: ``seeds`` calls of new bf16 inputs (``S`` tokens, ``h`` heads of ``d``; the
+    first call captures, the others replay), forward and backward with the deterministic block
+    backward. Returns per call whether out, lse, dq, dk, dv are bit-identical (``same``), the
+    cuda_graphs warnings of calls that fell back (``fell_back``) and whether both keys were
+    captured (``captured``)."""
+    import warnings
+
+    same, fell_back = [], []
+    for seed in range(seeds):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        results = []
+        for cp in (eager, graphed):
+            ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
+                out.backward(cp.shard(do).contiguous())
+            fell_back += [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
+            results.append([out.detach(), lse, ql.grad, kl.grad, vl.grad])
+        same.append([torch.equal(a, b) for a, b in zip(*results)])
+    keys = graphed.graphs.captured if graphed.graphs is not None else {}
+    captured = len(keys) == 2 and all(keys.values())
+    return {"same": same, "fell_back": fell_back, "captured": captured}

@@ -18,7 +18,8 @@
 #             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
 #   recipe    PART dry (default): hf_llama8b.py (ringfa4 vs sdpa on the Llama-3.1-8B shape) and the recipes'
 #             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
-#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one, weak scaling against PyTorch's
+#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one and its CUDA graphs against eager, weak
+#             scaling against PyTorch's
 #             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather mode's exchange in one
 #             and two pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
 #             --hops nccl) (~8 min)
@@ -128,7 +129,7 @@ stage_nccl() {  # NVLink multicast stays off (it can take a shared host's GPUs o
   # the real rank's host time a rank-step over NCCL (stream-ordered hop waits), beside the stub rows
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     python3 benchmarks/host_cost.py --worlds 2 --tokens 4096,32768 --real-rank --no-simulated --no-baselines \
-    --hops nccl,loopback --out "$(name host_cost_nccl "2x$sfx")"
+    --hops nccl,loopback --graphs --out "$(name host_cost_nccl "2x$sfx")"
 }
 
 stage=${1:-}

@@ -21,7 +21,8 @@ efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "
 set per ``--metadata-check`` value): P spawned gloo ranks on this GPU, each a distributed
 ``ContextParallel`` with stub hops, so a rank pays what a real one pays on the host (its metadata check
 over the gloo control group included, on every call or once per call key) but no NCCL
-(:mod:`_real_rank`); rank 0's host time per rank-step.
+(:mod:`_real_rank`); rank 0's host time per rank-step; with ``--graphs`` also captured rows for the
+stream-ordered (and ``nccl``) hops: a replay per call, watched as one wait.
 
     python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--graphs]
         [--real-rank] [--profile] [--out benchmarks/results/host_cost.json]
@@ -269,10 +270,13 @@ def main() -> None:
         if args.real_rank:
             from _real_rank import real_rank_rows
 
-            for tokens, hops, check in itertools.product((int(t) for t in args.tokens.split(",")),
-                                                         args.hops.split(","), args.metadata_check.split(",")):
+            for tokens, hops, check, graphs in itertools.product(
+                    (int(t) for t in args.tokens.split(",")), args.hops.split(","), args.metadata_check.split(","),
+                    (False, True) if args.graphs else (False,)):
+                if graphs and hops not in ("stream-ordered", "nccl"):  # captured hops: GPU-side waits only
+                    continue
                 rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
-                                      metadata_check=check)
+                                      metadata_check=check, graphs=graphs)
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows

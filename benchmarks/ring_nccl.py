@@ -8,6 +8,8 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
    dk, dv bit-identical with the deterministic backward; with the default one (fp32 gradients
    reduce-added in place into kv-head groups, two dK/dV hops a step) out / lse bit-identical and
    the gradients equal up to the order of fp32 atomics.
+   With ``RingOptions(cuda_graphs=True)`` (NCCL hops captured): three calls (the first captures)
+   bit-identical to eager with the deterministic backward, and every call captured.
 2. Weak scaling at 16k and 32k tokens per GPU (h=32, d=128, bf16, causal): efficiency =
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
@@ -26,7 +28,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from _common import cp_step, full_call
+from _common import cp_step, full_call, graphs_against_eager
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -77,6 +79,22 @@ def check_against_simulated(cp, be, rank, P, deterministic: bool):
     ok = torch.tensor([int(good)], device="cuda", dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {"S": S, "h": h, "d": d, "rank": rank, "deterministic": deterministic, "per_tensor": result,
+            "all_ranks_ok": bool(ok.item())}
+
+
+def check_graphs(be, rank, P):
+    """Real ranks' CUDA graphs: a ``RingOptions(cuda_graphs=True)`` group (the NCCL hops inside the
+    graphs, each replay watched by the error channel) against an eager one
+    (:func:`_common.graphs_against_eager`: three calls, the first captures): bit-identical with the
+    deterministic backward on every rank, and both keys (forward, backward) captured."""
+    S = 2 * P * 2048
+    eager = ringfa4.ContextParallel(layout="zigzag", backend=be)
+    graphed = ringfa4.ContextParallel(layout="zigzag", backend=be, options=ringfa4.RingOptions(cuda_graphs=True))
+    res = graphs_against_eager(eager, graphed, S)
+    good = all(all(s) for s in res["same"]) and res["captured"] and not res["fell_back"]
+    ok = torch.tensor([int(good)], device="cuda", dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return {"S": S, "h": 8, "d": 128, "rank": rank, **res, "graph_mib": graphed.graph_memory() / 2**20,
             "all_ranks_ok": bool(ok.item())}
 
 
@@ -186,6 +204,7 @@ def main() -> None:
     cp = ringfa4.ContextParallel(layout="zigzag", backend=be, options=ringfa4.RingOptions.from_env())
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
     report["check"] = [check_against_simulated(cp, be, rank, P, det) for det in (True, False)]
+    report["graphs_check"] = check_graphs(be, rank, P)
     report["weak_scaling"] = [weak_scaling(cp, be, P, int(s)) for s in args.per_gpu.split(",")]
     report["packed"] = [packed_modes(cp, be, P, mix) for mix in args.packed.split(",") if mix]
     if rank == 0:
@@ -193,6 +212,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
         print(json.dumps(report["check"]))
+        print(json.dumps(report["graphs_check"]))
         print(f"\nweak scaling on {P} x {report['device']}, causal, h=32, d=128, bf16 ({be.name} blocks)")
         print("| S/GPU | one GPU fwd / fwd+bwd ms | ringfa4 fwd / fwd+bwd ms | eff | torch CP+cuDNN ms | eff |")
         print("|---|---|---|---|---|---|")

@@ -22,7 +22,7 @@ from typing import Any
 from ringfa4.options import RingOptions
 
 __all__ = ["CheckpointConfig", "DataConfig", "FinetuneConfig", "LogConfig", "ModelConfig", "ParallelConfig", "cli",
-           "TrainConfig", "load_config", "ring_options"]
+           "TrainConfig", "load_config", "ring_options", "static_shapes"]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -251,16 +251,28 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
-def ring_options(cfg: FinetuneConfig) -> RingOptions:
+def static_shapes(cfg: FinetuneConfig) -> bool:
+    """Whether every step's attention calls have the same shapes and layout: rows of ``seq_len``
+    tokens cut from one document each (passkey documents are longer than ``doc_tokens``), so no
+    step builds a new pack of documents."""
+    return cfg.data.kind == "passkey" and cfg.data.doc_tokens >= cfg.train.seq_len
+
+
+def ring_options(cfg: FinetuneConfig, cuda: bool = False) -> RingOptions:
     """The ``ringfa4.RingOptions`` of the config's ``[cp]`` table (what the run's ContextParallel uses);
-    an unknown key or a bad value is a ValueError naming it."""
+    an unknown key or a bad value is a ValueError naming it. ``cuda``: the run is on GPUs; then, where
+    the shapes are static (:func:`static_shapes`) and ``[cp]`` does not set ``cuda_graphs``, the ring
+    is captured in CUDA graphs (``cuda_graphs = true``)."""
     floats = {f.name for f in dataclasses.fields(RingOptions) if isinstance(f.default, float)}
     table = {k: float(v) if k in floats and type(v) is int else v for k, v in cfg.cp.items()}
     try:
-        return RingOptions.from_mapping(table, where="[cp]")
+        options = RingOptions.from_mapping(table, where="[cp]")
     except (TypeError, ValueError) as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith("[cp]") else f"[cp]: {msg}") from None
+    if cuda and "cuda_graphs" not in cfg.cp and static_shapes(cfg):
+        options = options.replace(cuda_graphs=True)
+    return options
 
 
 def cli(argv: list[str] | None, doc: str, run, dry_run) -> None:

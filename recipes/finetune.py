@@ -196,7 +196,7 @@ def run(cfg: FinetuneConfig) -> list[dict]:
     p, t = cfg.parallel, cfg.train
     mesh = init_device_mesh(device.type, (p.dp, p.cp), mesh_dim_names=("dp", "cp"))
     cp = ringfa4.ContextParallel(mesh["cp"], layout=p.layout, backend=p.backend, ulysses=p.ulysses,
-                                 options=ring_options(cfg))
+                                 options=ring_options(cfg, cuda=device.type == "cuda"))
     rhf.register(cp)
     model, encode = build_model(cfg)
     model.to(device)
@@ -404,7 +404,7 @@ def dry_run(cfg: FinetuneConfig) -> str:
     text = "\n".join([
         f"mesh: dp={p.dp} x cp={p.cp} ({world} ranks), FSDP over all {world}" + ("" if p.fsdp else " (off)"),
         plan.describe(),
-        f"cp options: {ring_options(cfg)}",
+        f"cp options (on GPUs): {ring_options(cfg, cuda=True)}",
         f"model: {mc.model_type}, ~{n_params / 1e6:.0f}M params, {mc.num_hidden_layers} layers, seq_len {t.seq_len} "
         f"({local_tokens} tokens per rank)",
         "memory estimate per rank (GiB): " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in est.items() if k != "plan"),

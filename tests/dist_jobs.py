@@ -711,3 +711,44 @@ def metadata_check_once(kind, timeout_s=30.0):
         return {"checks_once": counts[0], "checks_every": counts[1], "identical": same}
     finally:
         checks.gather_ints = real
+
+
+def _benchmarks():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+
+def graphs_real_rank():
+    """``RingOptions(cuda_graphs=True)`` on real ranks (this pool's ranks sharing one GPU, NCCL's
+    hops stood in for by GPU copies of each rank's own buffers on the communication stream, waited
+    through the error channel as NCCL's are: ``benchmarks/_real_rank.py``'s stub; the data is wrong
+    but the same in every mode) against the same ranks eager (``_common.graphs_against_eager``:
+    three calls, the first captures): bit-identity per call, the keys captured, the replays handed
+    to the error channel's watch, all seen complete, and no failure."""
+    import time
+
+    from ringfa4.parallel.transport import _Replayed
+
+    _benchmarks()
+    from _common import graphs_against_eager
+    from _real_rank import _stub_p2p
+
+    torch.cuda.set_device(0)
+    cps = []
+    for graphs in (False, True):
+        cp = ringfa4.ContextParallel(options=ringfa4.RingOptions(cuda_graphs=graphs, timeout_s=60.0))
+        cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, blocking=False)
+        cps.append(cp)
+    watched = []
+    streams = cps[1].comm.channel.streams
+    add = streams.add
+    streams.add = lambda work, *a, **kw: (watched.append(isinstance(work, _Replayed)), add(work, *a, **kw))[1]
+    res = graphs_against_eager(*cps, S=4096)
+    torch.cuda.synchronize()
+    end = time.monotonic() + 5
+    while streams.in_flight() and time.monotonic() < end:
+        time.sleep(0.05)
+    return {**res, "replays_watched": sum(watched), "in_flight": streams.in_flight(),
+            "failure": None if streams.failure is None else str(streams.failure)}

@@ -94,3 +94,66 @@ def test_interleaved_layers_and_the_accumulating_backward():
         ref = reference_grads(q, k, v, do, **kw)
         for name, g, e, r in zip(("dq", "dk", "dv"), (x[0].grad, x[1].grad, x[2].grad), want[2:], ref[2:]):
             assert rel_err(g, r) <= 1.05 * rel_err(e, r) + 1e-6, name
+
+
+class _Channel:
+    """Records the waits a transport hands its error channel."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, work, call, what, peers=None, gloo=None, group=None):
+        self.waits.append((work, call, what, peers))
+
+
+def test_transports_say_whether_their_hops_can_be_captured():
+    import datetime
+
+    from ringfa4.parallel.transport import LoopbackTransport, P2PTransport, Transport
+
+    assert LoopbackTransport().capture_blocker() is None
+    assert "does not say" in Transport().capture_blocker()  # a transport must opt in
+    nccl = P2PTransport(None, 1, 2, datetime.timedelta(seconds=5))  # no gloo group: NCCL's path
+    assert nccl.capture_blocker() is None
+    assert nccl.graph_key() == (id(None), 1, 2) and LoopbackTransport().graph_key() == ()
+    nccl.gloo = True
+    assert "gloo" in nccl.capture_blocker()
+
+
+def test_a_captured_wait_is_only_stream_ordered_and_a_replay_is_watched():
+    """Under ``capturing()`` a hop's wait is ``work.wait()`` alone (a captured work's event must never
+    reach the watch thread); outside it the error channel gets it; a replay goes to the channel as
+    one wait of the call, for all its peers."""
+    import datetime
+
+    from dist_jobs import _NeverDone
+
+    from ringfa4.parallel.transport import P2PTransport
+
+    channel = _Channel()
+    hops = P2PTransport(None, 0, 2, datetime.timedelta(seconds=5), channel)
+    hops.call = 7
+    work = _NeverDone()
+    with hops.capturing():
+        assert hops.in_capture
+        hops._wait(work, "a ring hop", [1])
+    assert work.waits == [()] and channel.waits == [] and not hops.in_capture
+    hops._wait(work, "a ring hop", [1])
+    assert channel.waits == [(work, 7, "a ring hop", [1])]
+    with pytest.raises(RuntimeError), hops.capturing():
+        raise RuntimeError("a capture that failed")
+    assert not hops.in_capture  # left on failure too
+
+
+@pytest.mark.gpu
+def test_real_ranks_replay_equal_eager_and_are_watched(pools):
+    """Two real ranks (spawned, gloo control group, one GPU, hops stood in for by GPU copies on the
+    communication stream): calls 1-3 bit-identical to eager (deterministic backward), the forward
+    and the backward captured, every replay handed to the error channel's watch and seen done."""
+    _gpu()
+    for status, res in pools(2).run("graphs_real_rank", timeout=600):
+        assert status == "ok", res
+        assert res["same"] == [[True] * 5] * 3 and res["fell_back"] == []
+        assert res["captured"]
+        assert res["replays_watched"] == 6  # 3 calls x (forward, backward): the first call replays too
+        assert res["in_flight"] == 0 and res["failure"] is None

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 
+import config  # noqa: E402
 import finetune  # noqa: E402
 
 STEPS = ["train.steps=3", "train.seq_len=96"]
@@ -222,3 +223,26 @@ def test_attention_length_of_packed_rows():
     full, packed = (finetune._flops_per_token(finetune.build_model(finetune.load_config(None, []))[0].config, t)
                     for t in (256, 16))
     assert packed < full
+
+
+def test_static_shapes_turn_cuda_graphs_on():
+    """On GPUs the recipe captures the ring when every step has the same shapes (one passkey document
+    a row: the rule holds for the stream itself) and the [cp] table says nothing; the table's value
+    wins; packed documents and CPU runs stay eager."""
+    from data import ByteTokenizer, PackedStream, passkey_document
+
+    from ringfa4.options import RingOptions
+
+    encode = ByteTokenizer(256).encode
+    for seq_len in (64, 256, 1000):
+        cfg = finetune.load_config(None, [f"train.seq_len={seq_len}", f"data.doc_tokens={seq_len}"])
+        assert config.static_shapes(cfg)
+        stream = PackedStream(lambda i, n=seq_len: passkey_document(i, 0, n, encode), seq_len, 0, 1)
+        for _ in range(5):
+            assert stream.next_batch()["position_ids"][0].tolist() == list(range(seq_len))  # one document a row
+        assert finetune.ring_options(cfg, cuda=True) == RingOptions(cuda_graphs=True)
+        assert finetune.ring_options(cfg) == RingOptions()  # CPU: eager
+    packed = finetune.load_config(None, ["train.seq_len=256", "data.doc_tokens=100"])
+    assert not config.static_shapes(packed) and finetune.ring_options(packed, cuda=True) == RingOptions()
+    told = finetune.load_config(None, ["train.seq_len=64", "data.doc_tokens=64", "cp.cuda_graphs=false"])
+    assert finetune.ring_options(told, cuda=True) == RingOptions()

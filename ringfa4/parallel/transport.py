@@ -17,12 +17,20 @@ computes one group of documents while the next group's K/V arrive.
   communication stream with the same events (the simulated executor). ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
+
+CUDA graphs (:mod:`.ring.graphs`) ask a transport whether its hops can be captured
+(:meth:`Transport.capture_blocker`), what identifies its communicator in a graph's key
+(:meth:`Transport.graph_key`), capture under :meth:`Transport.capturing` (a wait is then only
+stream-ordered: the stream watch never sees a captured work) and hand it every replay
+(:meth:`Transport.after_replay`: a P2P transport watches the replay as one wait of the call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +44,23 @@ def _pieces(x) -> tuple[torch.Tensor, ...]:
 
 def _first(bufs: list) -> torch.Tensor:
     return _pieces(bufs[0])[0]
+
+
+class _Replayed:
+    """A CUDA graph replay as a work the error channel can watch: ``wait()`` is a no-op (the
+    replay ran on the current stream), ``wait(timeout)`` blocks the host until it is done (the
+    channel's host-side waits), ``is_completed()`` asks its end event."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is not None:
+            self.event.synchronize()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
 
 
 class _Handle:
@@ -94,6 +119,29 @@ class Transport:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._current: dict[int, tuple[int, torch.cuda.Stream]] = {}
+        self.in_capture = False  # a CUDA graph is being captured through this transport (capturing())
+
+    # -- CUDA graphs (ring/graphs.py) ------------------------------------------------------------
+    def capture_blocker(self) -> str | None:
+        """Why a ring call over this transport cannot be captured in a CUDA graph, or None."""
+        return "this transport does not say that its hops can be captured"
+
+    def graph_key(self) -> tuple:
+        """What a captured call depends on of this transport (its communicator): part of the key."""
+        return ()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While a ring call is captured: waits are stream-ordered only (nothing is watched)."""
+        self.in_capture = True
+        try:
+            yield
+        finally:
+            self.in_capture = False
+
+    def after_replay(self, device: torch.device) -> None:
+        """Called after each replay of a call captured through this transport (on the replay's
+        stream)."""
 
     def comm_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
@@ -155,6 +203,10 @@ class LoopbackTransport(Transport):
         super().__init__()
         self.poison = poison
         self.delay_cycles = delay_cycles
+
+    def capture_blocker(self) -> str | None:
+        """Device-to-device copies on the communication stream: always capturable."""
+        return None
 
     def shift(self, send, recv, offset):
         n = len(send)
@@ -241,7 +293,29 @@ class P2PTransport(Transport):
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
+    def capture_blocker(self) -> str | None:
+        """NCCL hops are captured (``batch_isend_irecv`` on the communication stream); gloo hops
+        run on the host."""
+        if self.gloo:
+            return "a gloo group's hops run on the host (NCCL hops are captured)"
+        return None
+
+    def graph_key(self) -> tuple:
+        """The communicator (a renewed group is a new key) and this rank's place in it."""
+        return (id(self.group), self.rank, self.world_size)
+
+    def after_replay(self, device: torch.device) -> None:
+        """A replay holds every hop of the call: it is watched as one wait of the call (a posted
+        root cause, a dead peer or the timeout ends it, named, and aborts the communicator, as
+        for an eager hop), through an event recorded after it on the current stream."""
+        event = torch.cuda.Event()
+        event.record(self.current_stream(device))
+        self._wait(_Replayed(event), "a CUDA graph replay of the ring call", None)
+
     def _wait(self, work, what: str, peers: list[int] | None) -> None:
+        if self.in_capture:  # captured: ordered on the stream only (after_replay watches the replay)
+            work.wait()
+            return
         if self.channel is None:
             work.wait(self.timeout)
             return

@@ -2,25 +2,36 @@
 hops included, captured once per call key and replayed.
 
 The key is everything the captured work depends on: the step function (ring forward / backward),
-the schedule (layout, sequence length, mask), the ranks, the block spec, the options, the backend
-and the shape, strides, dtype and device of every input. The first call of a key runs once eagerly
-on a side stream (compiles, lazy initialisations, the backends' prepared launches), then is
-captured on static copies of its inputs; every call of that key (this one included) copies its
-inputs into those, replays the graph and hands back copies of the outputs (the next layer's replay
-reuses the graph's buffers). The loopback hops are copies on the transport's stream, forked from
-and joined back into the captured stream, so they are part of the graph. All graphs of a
+the schedule (layout, sequence length, mask), the ranks, the block spec, the options, the backend,
+the transport's communicator (:meth:`~ringfa4.parallel.transport.Transport.graph_key`) and the
+shape, strides, dtype and device of every input. The first call of a key runs once eagerly on a
+side stream (compiles, lazy initialisations, the backends' prepared launches, a communicator's
+first use), then is captured on static copies of its inputs; every call of that key (this one
+included) copies its inputs into those, replays the graph and hands back copies of the outputs
+(the next layer's replay reuses the graph's buffers). Hops are part of the graph: the simulated
+executor's loopback copies, and on real ranks NCCL's ``batch_isend_irecv`` on the communication
+stream, forked from and joined back into the captured stream. All graphs of a
 ``ContextParallel`` share one memory pool; :meth:`RingGraphs.memory_bytes` is what the static
 inputs and the captures keep allocated.
 
 Where a call cannot be captured it runs eagerly, and the reason is said once (a UserWarning):
-tensors not on CUDA, a distributed group (its hops wait on the error channel with a timeout on
-the host: not capturable yet), packed documents (a new pack is a new schedule), sinks, a capture
-already in progress (the caller's own graph), or a capture that failed (the key then stays eager).
+tensors not on CUDA, hops that run on the host (a gloo group), packed documents (a new pack is a
+new schedule), sinks, a capture already in progress (the caller's own graph), or a capture that
+failed (the key then stays eager).
 With the deterministic block backward a replay is bit-identical to the eager call; the default
 accumulating backward reduces with atomics, in eager as in a replay.
 
-Failure detection in graph mode: the simulated executor has no peers to wait on, so a replay has
-no timeout; a bad input is still refused before the replay by the same checks as in eager.
+Failure detection in graph mode. Before a replay everything runs as in eager: the local checks
+and the metadata check (every call, or once per key with ``metadata_check="new_shapes"``), so a
+bad input is refused on every rank before any data moves. On real ranks every rank captures at
+the same call (the key is agreed by the check); a rank whose capture fails runs that key eagerly,
+which issues the same NCCL operations in the same order as the peers' replays. During a capture
+nothing is watched (a captured wait is only stream-ordered); a replay is watched as one wait of
+its call (:meth:`~ringfa4.parallel.transport.Transport.after_replay`): a root cause a peer
+posted, a dead peer, or ``RingOptions.timeout_s`` after the replay was queued without it
+finishing ends it, named as for an eager hop, and aborts the NCCL communicator (which releases
+the graph's stuck transfers); the error is raised by the rank's next ringfa4 call. The simulated
+executor has no peers to wait on: its replays are not watched.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..transport import LoopbackTransport
 from .run import RingRun
 from .schedule import RingSchedule
 
@@ -80,8 +90,9 @@ class RingGraphs:
         first = lists[0][0]
         if first.device.type != "cuda":
             return "needs CUDA tensors"
-        if not isinstance(run.transport, LoopbackTransport):
-            return "captures the simulated executor only (a distributed group's hops wait on the host)"
+        blocker = run.transport.capture_blocker()
+        if blocker is not None:
+            return blocker
         if not isinstance(run.schedule, RingSchedule):
             return "packed documents are not captured (every pack is a new schedule)"
         if run.sinks is not None:
@@ -98,7 +109,7 @@ class RingGraphs:
             self._say(reason)
             return fn(run, *lists)
         flat = _flat(lists)
-        key = (fn, run.schedule, run.ranks, run.spec, run.options, id(run.backend),
+        key = (fn, run.schedule, run.ranks, run.spec, run.options, id(run.backend), run.transport.graph_key(),
                tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat), tuple(len(lst) for lst in lists))
         if key not in self.captured:
             self.captured[key] = self._capture(fn, run, lists)
@@ -108,6 +119,7 @@ class RingGraphs:
         for dst, src in zip(cap.inputs, flat):
             dst.copy_(src)
         cap.graph.replay()
+        run.transport.after_replay(flat[0].device)
         return tuple([o.clone() for o in lst] for lst in cap.outputs)
 
     def _capture(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> _Captured | None:
@@ -121,8 +133,8 @@ class RingGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
+        try:  # thread_local: the stream watch's thread may query earlier hops' events meanwhile
+            with run.transport.capturing(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 outputs = fn(run, *static)
         except Exception as exc:  # a step that cannot be captured (a host sync, an unsupported call)
             self._say(f"capture failed ({type(exc).__name__}: {exc})")
