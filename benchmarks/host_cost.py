@@ -13,8 +13,11 @@ the kernel launches (kernels, copies, memsets the profiler sees) per rank-step; 
 the same shapes (one full-sequence call / the API call's wall time: ``ring_sim.py``'s api level,
 which also splits and joins the simulated ranks' tensors) and ``of_calls_alone`` (the same ranks'
 block calls alone, executor level / the API call); ``executor_us_per_rank_step``: the host time of
-the ring forward / backward alone on already split shards (eager); and with ``--profile`` the
-functions where one call's host time goes (cProfile, own and cumulative time, top 30). The
+the ring forward / backward alone on already split shards (eager); ``inside_backward_us_per_rank_step``:
+the part of a forward+backward call's host time spent inside the ring's autograd backward, which on CUDA
+runs in autograd's device thread (the rest of the backward's share is the engine and the thread hand-off);
+and with ``--profile`` the functions where one call's host time goes (cProfile, own and cumulative time,
+top 50; ``inside_backward``: the same inside the autograd thread's ring backward). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
 ``--graphs`` adds rows with ``RingOptions(cuda_graphs=True)`` (host time of a replay, its
 efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "real-rank"`` rows (one
@@ -100,16 +103,57 @@ def profile_top(fn, cycles: int, n: int = 50) -> dict:
     torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
     prof = cProfile.Profile()
-    prof.enable()
-    fn()
-    prof.disable()
+    with InsideBackward(profile=True) as inside:
+        prof.enable()
+        fn()
+        prof.disable()
     torch.cuda.synchronize()
+    return {**_top(prof, n), "inside_backward": inside.top(n) if inside.us else None}
+
+
+def _top(prof: cProfile.Profile, n: int) -> dict:
     stats = pstats.Stats(prof, stream=io.StringIO())
     rows = []
     for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items():
         rows.append({"function": f"{os.path.basename(file)}:{line}:{name}", "calls": nc,
                      "own_us": tt * 1e6, "cum_us": ct * 1e6})
     return {"own": sorted(rows, key=lambda r: -r["own_us"])[:n], "cum": sorted(rows, key=lambda r: -r["cum_us"])[:n]}
+
+
+class InsideBackward:
+    """Host time spent inside the ring's autograd backward (``_RingAttention.backward``), which on
+    CUDA runs in autograd's device thread: a main-thread cProfile sees only ``run_backward``. While
+    entered, every backward call is timed (``us``: one entry a call); ``profile=True`` also
+    cProfiles the calls there (:meth:`top`)."""
+
+    def __init__(self, profile: bool = False) -> None:
+        from ringfa4.parallel import context
+
+        self.fn, self.us = context._RingAttention, []
+        self.orig = self.fn.backward
+        self.prof = cProfile.Profile() if profile else None
+
+    def __enter__(self) -> InsideBackward:
+        orig, us, prof = self.orig, self.us, self.prof
+
+        def timed(ctx, *grads):
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            try:
+                return orig(ctx, *grads)
+            finally:
+                if prof is not None:
+                    prof.disable()
+                us.append((time.perf_counter() - t0) * 1e6)
+        self.fn.backward = staticmethod(timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fn.backward = staticmethod(self.orig)
+
+    def top(self, n: int = 50) -> dict:
+        return _top(self.prof, n)
 
 
 def _dense_inputs(S: int, n_sets: int = 2):
@@ -174,7 +218,8 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
         timed = {m: nan for m in fns} if args.host_only else interleaved_ms(fns, sets, rounds=3, rep=100)
         for mode in modes:
             api = rotating(fns[mode], sets)
-            host = host_us(api, cycles, args.queued_ms, args.reps)
+            with InsideBackward() as inside:
+                host = host_us(api, cycles, args.queued_ms, args.reps)
             ring_ms = timed[mode]["ms"]
             row = {"path": "simulated", "mode": mode, "pass": "fwd+bwd" if backward else "fwd", "P": P,
                    "tokens_per_rank": tokens,
@@ -186,6 +231,8 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
                    "graph_mib": cps[mode].graph_memory() / 2**20}
             if mode == "eager":
                 row["executor_us_per_rank_step"] = execu["us"] / rank_steps
+            if backward and inside.us:  # of the host time: inside the ring's backward (autograd's thread)
+                row["inside_backward_us_per_rank_step"] = statistics.median(inside.us) / rank_steps
             if args.profile:
                 row["profile"] = profile_top(api, cycles)
             rows.append(row)

@@ -233,3 +233,24 @@ def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
     assert isinstance(forward_merge_strategy(run, qs, vs[0]), EpilogueMerge)
     sink = grad_sink(run, (qs, qs, ks, vs, qs, [torch.zeros(1, 8, 128)] * 4))
     assert isinstance(sink, AccumGradSink) and sink.in_place and sink.groups == 2
+
+
+def test_host_cost_times_the_ring_backward_where_it_runs():
+    """host_cost.InsideBackward: one timed entry per ring backward (the autograd thread's share of a
+    call), a profile of it when asked, and the Function's own backward back afterwards."""
+    import host_cost
+
+    from ringfa4.parallel.context import _RingAttention
+
+    orig = _RingAttention.backward
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    step = cp_step(cp, True)
+    with host_cost.InsideBackward(profile=True) as inside:
+        step(q, k, v, do)
+        step(q, k, v, do)
+        cp_step(cp, False)(q, k, v, do)  # a forward alone: nothing inside
+    assert len(inside.us) == 2 and all(t > 0 for t in inside.us)
+    assert any("ring_backward" in r["function"] for r in inside.top()["cum"])
+    assert _RingAttention.backward is orig
