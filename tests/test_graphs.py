@@ -17,7 +17,7 @@ import torch
 from helpers import random_qkv, reference_grads, rel_err
 
 import ringfa4
-from ringfa4 import RingOptions
+from ringfa4 import AttnSpec, RingOptions
 
 
 def _run(cp, q, k, v, do, **kw):
@@ -157,3 +157,89 @@ def test_real_ranks_replay_equal_eager_and_are_watched(pools):
         assert res["captured"]
         assert res["replays_watched"] == 6  # 3 calls x (forward, backward): the first call replays too
         assert res["in_flight"] == 0 and res["failure"] is None
+
+
+def test_a_pack_is_captured_when_it_comes_again_and_few_packs_are_kept():
+    """Graph keys are schedules by value (a new ``cp.pack`` of the same cu_seqlens has its old key);
+    a dense key is captured at its first call, a pack's at its second; at most ``pack_graphs``
+    packs keep graphs (the least recently replayed goes, and must come twice again); the sightings
+    remembered are bounded."""
+    from types import SimpleNamespace
+
+    from ringfa4.parallel.allgather import AllGatherSchedule
+    from ringfa4.parallel.ring.graphs import RingGraphs
+    from ringfa4.parallel.varlen import PackedRingSchedule
+
+    cp = ringfa4.ContextParallel.simulated(4, backend="reference")
+
+    def sched(cu, kind=PackedRingSchedule, causal=True):
+        return cp.pack(torch.tensor(cu, dtype=torch.int32)).packing.schedule(kind, causal, (None, None))
+
+    a = sched([0, 5, 9, 40])
+    assert a.graph_key() == sched([0, 5, 9, 40]).graph_key() and a is not sched([0, 5, 9, 40])
+    for other in (sched([0, 6, 9, 40]), sched([0, 5, 9, 40], AllGatherSchedule), sched([0, 5, 9, 40], causal=False)):
+        assert other.graph_key() != a.graph_key()
+    dense = cp.run(torch.zeros(1, 64, 2, 8), AttnSpec(causal=True)).schedule
+    assert dense.graph_key() == cp.run(torch.zeros(1, 64, 2, 8), AttnSpec(causal=True)).schedule.graph_key()
+    assert dense.graph_sightings() == 1 and a.graph_sightings() == 2
+
+    graphs, made = RingGraphs(pack_graphs=2, pack_memory=3), []
+
+    def at(s, fn="fwd"):
+        key = (fn, s.graph_key())
+
+        def capture():
+            made.append(key)
+            return key  # stands in for the captured graph
+        return graphs.entry(key, SimpleNamespace(schedule=s), capture)
+
+    assert at(dense) == ("fwd", dense.graph_key())  # dense: the first call
+    packs = [sched([0, n, 40]) for n in (3, 4, 5)]
+    assert at(packs[0]) is None and at(packs[0], "bwd") is None  # first sighting: eager
+    assert at(packs[0]) is not None and at(packs[0], "bwd") is not None  # second: captured
+    assert at(packs[0]) is not None and len(made) == 3  # replayed, not captured again
+    at(packs[1]), at(packs[1])
+    at(packs[0])  # pack 0 replayed last: pack 1 is the oldest
+    at(packs[2]), at(packs[2])  # a third pack: pack 1's graph goes
+    assert ("fwd", packs[1].graph_key()) not in graphs.captured
+    assert ("fwd", packs[0].graph_key()) in graphs.captured and ("bwd", packs[0].graph_key()) in graphs.captured
+    assert at(packs[1]) is None and at(packs[1]) is not None  # must come twice again
+    for n in range(6, 12):  # one-off packs: sightings stay bounded
+        at(sched([0, n, 40]))
+    assert len(graphs.sightings) == 3 and ("fwd", dense.graph_key()) in graphs.captured
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["balanced", "ring"])
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default_bwd"])
+def test_a_recurring_pack_replays_its_eager_result(mode, deterministic):
+    """A pack that comes again (a new ``cp.pack`` of the same cu_seqlens each call, as a trainer
+    makes them; another pack in between) is captured at its second call and replayed after: every
+    call equals the eager one (out and lse bit for bit; dq, dk, dv bit for bit with the deterministic
+    backward, within the eager error against float64 with the default one), nothing falls back, and
+    the one-off pack is never captured."""
+    from helpers import random_cu_seqlens
+
+    _gpu()
+    P, kw = 4, {"causal": True, "deterministic": deterministic}
+    eager = ringfa4.ContextParallel.simulated(P)
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    recurring, one_off = [1, 700, 1500, 5, 3000, 2100, 1000, 2], [4000, 1, 3000, 1307]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cuda_graphs.*")  # nothing falls back
+        for seed, lengths in enumerate([recurring, one_off, recurring, recurring]):
+            cu = random_cu_seqlens(lengths, device="cuda")
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            q, k, v, do = (torch.randn(sum(lengths), n, 128, generator=g).to("cuda", torch.bfloat16)
+                           for n in (8, 2, 2, 8))
+            want = _run(eager, q, k, v, do, packing=eager.pack(cu, mode), **kw)
+            got = _run(graphed, q, k, v, do, packing=graphed.pack(cu, mode), **kw)
+            ref = None if deterministic else reference_grads(q, k, v, do, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+            for i, (name, a, b) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), got, want)):
+                if deterministic or i < 2:
+                    assert torch.equal(a, b), (seed, name)
+                else:
+                    assert rel_err(a, ref[i]) <= 1.05 * rel_err(b, ref[i]) + 1e-6, (seed, name)
+    captured = graphed.graphs.captured
+    assert len(captured) == 2 and all(captured.values())  # the recurring pack's forward and backward
+    assert len(graphed.graphs.packs) == 1

@@ -145,6 +145,15 @@ class PackSchedule:
     def world_size(self) -> int:
         return self.pack.world_size
 
+    def graph_key(self) -> tuple:
+        """The schedule by value: its kind, the pack's boundaries, layout and placement rule, the mask
+        (a new ``cp.pack`` of the same cu_seqlens has the same key)."""
+        return (type(self).__name__, self.pack.cu, self.pack.layout, self.pack.balanced, self.causal, self.window)
+
+    def graph_sightings(self) -> int:
+        """Every pack is a new schedule: captured only when the same pack comes a second time."""
+        return 2
+
     def rows(self, rank: int) -> int:
         return self.pack.rows(rank)
 

@@ -2,9 +2,16 @@
 hops included, captured once per call key and replayed.
 
 The key is everything the captured work depends on: the step function (ring forward / backward),
-the schedule (layout, sequence length, mask), the ranks, the block spec, the options, the backend,
-the transport's communicator (:meth:`~ringfa4.parallel.transport.Transport.graph_key`) and the
-shape, strides, dtype and device of every input. The first call of a key runs once eagerly on a
+the schedule by value (``Schedule.graph_key``: layout, sequence length and mask; for packed
+documents the pack's cu_seqlens, layout and placement rule), the ranks, the block spec, the
+options, the backend, the transport's communicator
+(:meth:`~ringfa4.parallel.transport.Transport.graph_key`) and the shape, strides, dtype and device
+of every input. A dense key is captured at its first call (every layer repeats it). Every pack is a
+new schedule, so a pack's key is captured only when the same pack comes a second time (a trainer
+whose loader buckets documents into recurring packs, fixed evaluation batches); one-off packs run
+eagerly at no capture cost, and the graphs of at most ``pack_graphs`` packs are kept (the least
+recently replayed goes first). The capture-time call's schedule stays alive with its graph (the
+graph reads its device-side cu_seqlens). The first call of a key runs once eagerly on a
 side stream (compiles, lazy initialisations, the backends' prepared launches, a communicator's
 first use), then is captured on static copies of its inputs; every call of that key (this one
 included) copies its inputs into those, replays the graph and hands back copies of the outputs
@@ -15,9 +22,8 @@ stream, forked from and joined back into the captured stream. All graphs of a
 inputs and the captures keep allocated.
 
 Where a call cannot be captured it runs eagerly, and the reason is said once (a UserWarning):
-tensors not on CUDA, hops that run on the host (a gloo group), packed documents (a new pack is a
-new schedule), sinks, a capture already in progress (the caller's own graph), or a capture that
-failed (the key then stays eager).
+tensors not on CUDA, hops that run on the host (a gloo group), sinks, a capture already in
+progress (the caller's own graph), or a capture that failed (the key then stays eager).
 With the deterministic block backward a replay is bit-identical to the eager call; the default
 accumulating backward reduces with atomics, in eager as in a replay.
 
@@ -37,13 +43,13 @@ executor has no peers to wait on: its replays are not watched.
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from .run import RingRun
-from .schedule import RingSchedule
 
 __all__ = ["RingGraphs"]
 
@@ -52,6 +58,7 @@ class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # flat static inputs, in the order of the call's flattened lists
     outputs: tuple[list[torch.Tensor], ...]
+    run: RingRun  # kept alive: the graph reads its schedule's device-side metadata (a pack's cu_seqlens)
 
 
 def _flat(lists: tuple[list[torch.Tensor], ...]) -> list[torch.Tensor]:
@@ -67,16 +74,22 @@ def _unflat(flat: list[torch.Tensor], lists: tuple[list[torch.Tensor], ...]) -> 
 
 
 class RingGraphs:
-    """The captured ring calls of one ``ContextParallel`` (see the module doc)."""
+    """The captured ring calls of one ``ContextParallel`` (see the module doc). ``pack_graphs``:
+    the most packs whose graphs are kept (the least recently replayed one goes first);
+    ``pack_memory``: how many packs' sightings are remembered."""
 
-    def __init__(self) -> None:
+    def __init__(self, pack_graphs: int = 8, pack_memory: int = 256) -> None:
         self.captured: dict[tuple, _Captured | None] = {}  # None: this key runs eagerly
         self.pool = None
         self.said: set[str] = set()
         self.bytes = 0
+        self.pack_graphs, self.pack_memory = pack_graphs, pack_memory
+        self.sightings: OrderedDict[tuple, int] = OrderedDict()  # keys not captured yet: calls seen
+        self.packs: OrderedDict[tuple, list[tuple]] = OrderedDict()  # a recurring pack's schedule key: its keys
 
     def memory_bytes(self) -> int:
-        """Device memory the captures keep: static inputs, the graphs' live outputs and pool."""
+        """Device memory the captures took (static inputs, the graphs' outputs and pool; the pool
+        keeps what an evicted pack's graphs used for later captures)."""
         return self.bytes
 
     def _say(self, reason: str) -> None:
@@ -93,8 +106,6 @@ class RingGraphs:
         blocker = run.transport.capture_blocker()
         if blocker is not None:
             return blocker
-        if not isinstance(run.schedule, RingSchedule):
-            return "packed documents are not captured (every pack is a new schedule)"
         if run.sinks is not None:
             return "sinks are not captured"
         if torch.cuda.is_current_stream_capturing():
@@ -109,11 +120,10 @@ class RingGraphs:
             self._say(reason)
             return fn(run, *lists)
         flat = _flat(lists)
-        key = (fn, run.schedule, run.ranks, run.spec, run.options, id(run.backend), run.transport.graph_key(),
-               tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat), tuple(len(lst) for lst in lists))
-        if key not in self.captured:
-            self.captured[key] = self._capture(fn, run, lists)
-        cap = self.captured[key]
+        key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
+               run.transport.graph_key(), tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat),
+               tuple(len(lst) for lst in lists))
+        cap = self.entry(key, run, lambda: self._capture(fn, run, lists))
         if cap is None:
             return fn(run, *lists)
         for dst, src in zip(cap.inputs, flat):
@@ -121,6 +131,30 @@ class RingGraphs:
         cap.graph.replay()
         run.transport.after_replay(flat[0].device)
         return tuple([o.clone() for o in lst] for lst in cap.outputs)
+
+    def entry(self, key: tuple, run: RingRun, capture: Callable[[], _Captured | None]) -> _Captured | None:
+        """The graph of ``key`` (a call over ``run``), captured by ``capture()`` at the key's
+        ``run.schedule.graph_sightings()``-th call; None: the call runs eagerly (not yet, or its
+        capture failed). A pack's graphs are kept for at most ``pack_graphs`` packs."""
+        pack = run.schedule.graph_sightings() > 1
+        if key in self.captured:
+            if pack:
+                self.packs.move_to_end(key[1])
+            return self.captured[key]
+        seen = self.sightings.pop(key, 0) + 1
+        if seen < run.schedule.graph_sightings():
+            self.sightings[key] = seen
+            while len(self.sightings) > self.pack_memory:
+                self.sightings.popitem(last=False)
+            return None
+        if pack:
+            if key[1] not in self.packs and len(self.packs) >= self.pack_graphs:
+                _, gone = self.packs.popitem(last=False)
+                for k in gone:
+                    self.captured.pop(k, None)
+            self.packs.setdefault(key[1], []).append(key)
+        self.captured[key] = capture()
+        return self.captured[key]
 
     def _capture(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> _Captured | None:
         before = torch.cuda.memory_allocated()
@@ -140,4 +174,4 @@ class RingGraphs:
             self._say(f"capture failed ({type(exc).__name__}: {exc})")
             return None
         self.bytes += torch.cuda.memory_allocated() - before
-        return _Captured(graph, _flat(static), tuple(list(o) for o in outputs))
+        return _Captured(graph, _flat(static), tuple(list(o) for o in outputs), run)

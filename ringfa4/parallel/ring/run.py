@@ -42,6 +42,13 @@ class Schedule(Protocol):
     @property
     def max_travel_rows(self) -> int: ...
 
+    def graph_key(self) -> tuple:
+        """The schedule by value (what a CUDA graph of a call over it depends on; :mod:`.graphs`)."""
+
+    def graph_sightings(self) -> int:
+        """Calls of one key before it is captured: 1 (dense: the first call), 2 (a pack: only one that
+        comes again)."""
+
 
 @dataclass(frozen=True)
 class RingRun:

@@ -38,6 +38,14 @@ class RingSchedule:
     def num_steps(self) -> int:
         return self.layout.world_size
 
+    def graph_key(self) -> tuple:
+        """The schedule by value: layout, length and mask."""
+        return ("ring", self.layout, self.seq_len, self.causal, self.window)
+
+    def graph_sightings(self) -> int:
+        """A dense call's shapes repeat every layer: captured at its first call."""
+        return 1
+
     @cached_method
     def rows(self, rank: int) -> int:
         """Local tokens of ``rank``."""
