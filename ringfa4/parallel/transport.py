@@ -64,10 +64,11 @@ class _Replayed:
 
 
 class _Handle:
-    def __init__(self, works=None, event=None, device: torch.device | None = None):
+    def __init__(self, works=None, event=None, device: torch.device | None = None, join=None):
         self.works = works or []
         self.event = event
         self.device = device
+        self.join = join  # captured: an event after the hop on the communication stream (see P2PTransport.shift)
 
 
 class Pending:
@@ -343,13 +344,21 @@ class P2PTransport(Transport):
         if stream is None:
             return _Handle(works=dist.batch_isend_irecv(ops), event=(frm, to, None, None))
         works = []
-        self.on_stream(stream, device, lambda: works.extend(dist.batch_isend_irecv(ops)))
-        return _Handle(works=works, event=(frm, to, None, None))
+        join = torch.cuda.Event() if self.in_capture else None
+
+        def post():
+            works.extend(dist.batch_isend_irecv(ops))
+            if join is not None:  # a capture must join back every stream it forked: the compute
+                join.record(stream)  # stream waits for this one too, not only for NCCL's own
+        self.on_stream(stream, device, post)
+        return _Handle(works=works, event=(frm, to, None, None), device=device, join=join)
 
     def wait(self, handle):
         frm, to, staged, pieces = handle.event
         for work in handle.works:
             self._wait(work, "a ring hop", sorted({frm, to}))
+        if handle.join is not None:
+            self.current_stream(handle.device).wait_event(handle.join)
         if staged is not None:  # gloo: the bytes into the receive pieces
             at = 0
             for piece in pieces:
