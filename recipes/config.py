@@ -22,7 +22,8 @@ from typing import Any
 from ringfa4.options import RingOptions
 
 __all__ = ["CheckpointConfig", "DataConfig", "FinetuneConfig", "LogConfig", "ModelConfig", "ParallelConfig", "cli",
-           "TrainConfig", "load_config", "ring_options", "static_shapes"]
+           "TrainConfig", "graphs_by_default", "load_config", "ring_options",
+           "static_shapes"]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -251,6 +252,9 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
+GRAPHS_UP_TO = 16384  # tokens a rank up to which a recipe captures its ring in CUDA graphs by itself
+
+
 def static_shapes(cfg: FinetuneConfig) -> bool:
     """Whether every step's attention calls have the same shapes and layout: rows of ``seq_len``
     tokens cut from one document each (passkey documents are longer than ``doc_tokens``), so no
@@ -258,11 +262,20 @@ def static_shapes(cfg: FinetuneConfig) -> bool:
     return cfg.data.kind == "passkey" and cfg.data.doc_tokens >= cfg.train.seq_len
 
 
+def graphs_by_default(cfg: FinetuneConfig) -> bool:
+    """Whether a GPU run captures its ring in CUDA graphs unless ``[cp]`` says: the shapes are
+    static (:func:`static_shapes`), there is a ring (more than one ring rank) and a rank's chunk is
+    short (at most ``GRAPHS_UP_TO`` tokens: there the host's launches, not the kernels, bound a
+    ring step, and the graphs' static copies of a layer's inputs and outputs stay small)."""
+    p = cfg.parallel
+    return static_shapes(cfg) and p.cp // p.ulysses > 1 and cfg.train.seq_len // p.cp <= GRAPHS_UP_TO
+
+
 def ring_options(cfg: FinetuneConfig, cuda: bool = False) -> RingOptions:
     """The ``ringfa4.RingOptions`` of the config's ``[cp]`` table (what the run's ContextParallel uses);
     an unknown key or a bad value is a ValueError naming it. ``cuda``: the run is on GPUs; then, where
-    the shapes are static (:func:`static_shapes`) and ``[cp]`` does not set ``cuda_graphs``, the ring
-    is captured in CUDA graphs (``cuda_graphs = true``)."""
+    :func:`graphs_by_default` and ``[cp]`` does not set ``cuda_graphs``, the ring is captured in CUDA
+    graphs (``cuda_graphs = true``)."""
     floats = {f.name for f in dataclasses.fields(RingOptions) if isinstance(f.default, float)}
     table = {k: float(v) if k in floats and type(v) is int else v for k, v in cfg.cp.items()}
     try:
@@ -270,7 +283,7 @@ def ring_options(cfg: FinetuneConfig, cuda: bool = False) -> RingOptions:
     except (TypeError, ValueError) as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith("[cp]") else f"[cp]: {msg}") from None
-    if cuda and "cuda_graphs" not in cfg.cp and static_shapes(cfg):
+    if cuda and "cuda_graphs" not in cfg.cp and graphs_by_default(cfg):
         options = options.replace(cuda_graphs=True)
     return options
 

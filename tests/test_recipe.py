@@ -227,22 +227,30 @@ def test_attention_length_of_packed_rows():
 
 def test_static_shapes_turn_cuda_graphs_on():
     """On GPUs the recipe captures the ring when every step has the same shapes (one passkey document
-    a row: the rule holds for the stream itself) and the [cp] table says nothing; the table's value
-    wins; packed documents and CPU runs stay eager."""
+    a row: the rule holds for the stream itself), there is a ring, a rank's chunk is short and the
+    [cp] table says nothing; the table's value wins; packed documents, long chunks, Ulysses alone and
+    CPU runs stay eager."""
     from data import ByteTokenizer, PackedStream, passkey_document
 
     from ringfa4.options import RingOptions
 
     encode = ByteTokenizer(256).encode
     for seq_len in (64, 256, 1000):
-        cfg = finetune.load_config(None, [f"train.seq_len={seq_len}", f"data.doc_tokens={seq_len}"])
-        assert config.static_shapes(cfg)
+        cfg = finetune.load_config(None, [f"train.seq_len={seq_len}", f"data.doc_tokens={seq_len}",
+                                          "parallel.cp=2"])
+        assert config.static_shapes(cfg) and config.graphs_by_default(cfg)
         stream = PackedStream(lambda i, n=seq_len: passkey_document(i, 0, n, encode), seq_len, 0, 1)
         for _ in range(5):
             assert stream.next_batch()["position_ids"][0].tolist() == list(range(seq_len))  # one document a row
         assert finetune.ring_options(cfg, cuda=True) == RingOptions(cuda_graphs=True)
         assert finetune.ring_options(cfg) == RingOptions()  # CPU: eager
-    packed = finetune.load_config(None, ["train.seq_len=256", "data.doc_tokens=100"])
+    packed = finetune.load_config(None, ["train.seq_len=256", "data.doc_tokens=100", "parallel.cp=2"])
     assert not config.static_shapes(packed) and finetune.ring_options(packed, cuda=True) == RingOptions()
-    told = finetune.load_config(None, ["train.seq_len=64", "data.doc_tokens=64", "cp.cuda_graphs=false"])
+    told = finetune.load_config(None, ["train.seq_len=64", "data.doc_tokens=64", "parallel.cp=2",
+                                       "cp.cuda_graphs=false"])
     assert finetune.ring_options(told, cuda=True) == RingOptions()
+    n = 2 * config.GRAPHS_UP_TO
+    for eager in (["parallel.cp=2", f"train.seq_len={2 * n}"],  # 2 x GRAPHS_UP_TO tokens a rank
+                  ["parallel.cp=1", "train.seq_len=64"], ["parallel.cp=2", "parallel.ulysses=2", "train.seq_len=64"]):
+        cfg = finetune.load_config(None, eager + [f"data.doc_tokens={n * 2}"])
+        assert config.static_shapes(cfg) and finetune.ring_options(cfg, cuda=True) == RingOptions(), eager
