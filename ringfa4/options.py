@@ -54,8 +54,8 @@ class RingOptions:
     timeout_s: seconds any collective or ring hop may wait (> 0).
     nvlink_domain: GPUs per NVLink domain for the (Ulysses, ring) planner; None: detected.
     cuda_graphs: capture each ring forward and backward once per call key (shapes, spec, options)
-        and replay it, hops included (:mod:`ringfa4.parallel.ring.graphs`: dense rings, simulated or
-        over NCCL; other calls run eagerly and say why once).
+        and replay it, hops included (:mod:`ringfa4.parallel.ring.graphs`: simulated or over NCCL;
+        packed documents once the same pack comes again; other calls run eagerly and say why once).
     metadata_check: when the ranks of a distributed group compare a call's metadata (one small gloo
         all-gather on the control group, a few hundred us of host time): ``"every_call"`` (a bad
         input on any rank is the same ValueError on every rank before any data moves), or

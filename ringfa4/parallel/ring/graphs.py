@@ -136,23 +136,24 @@ class RingGraphs:
         """The graph of ``key`` (a call over ``run``), captured by ``capture()`` at the key's
         ``run.schedule.graph_sightings()``-th call; None: the call runs eagerly (not yet, or its
         capture failed). A pack's graphs are kept for at most ``pack_graphs`` packs."""
-        pack = run.schedule.graph_sightings() > 1
+        wanted = run.schedule.graph_sightings()
+        pack = run.schedule.graph_key() if wanted > 1 else None
         if key in self.captured:
-            if pack:
-                self.packs.move_to_end(key[1])
+            if pack is not None:
+                self.packs.move_to_end(pack)
             return self.captured[key]
         seen = self.sightings.pop(key, 0) + 1
-        if seen < run.schedule.graph_sightings():
+        if seen < wanted:
             self.sightings[key] = seen
             while len(self.sightings) > self.pack_memory:
                 self.sightings.popitem(last=False)
             return None
-        if pack:
-            if key[1] not in self.packs and len(self.packs) >= self.pack_graphs:
+        if pack is not None:
+            if pack not in self.packs and len(self.packs) >= self.pack_graphs:
                 _, gone = self.packs.popitem(last=False)
                 for k in gone:
                     self.captured.pop(k, None)
-            self.packs.setdefault(key[1], []).append(key)
+            self.packs.setdefault(pack, []).append(key)
         self.captured[key] = capture()
         return self.captured[key]
 
