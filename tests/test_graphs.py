@@ -120,15 +120,24 @@ def test_transports_say_whether_their_hops_can_be_captured():
     assert "gloo" in nccl.capture_blocker()
 
 
-def test_a_captured_wait_is_only_stream_ordered_and_a_replay_is_watched():
+def test_a_captured_wait_is_only_stream_ordered_and_a_replay_is_watched(monkeypatch):
     """Under ``capturing()`` a hop's wait is ``work.wait()`` alone (a captured work's event must never
     reach the watch thread); outside it the error channel gets it; a replay goes to the channel as
-    one wait of the call, for all its peers."""
+    one wait of the call, for all its peers, through an event recorded after it on the current
+    stream (CUDA events stood in for here)."""
     import datetime
 
     from dist_jobs import _NeverDone
 
-    from ringfa4.parallel.transport import P2PTransport
+    from ringfa4.parallel.transport import P2PTransport, _Replayed
+
+    class _Event:
+        def record(self, stream):
+            self.stream = stream
+
+        def query(self):
+            return True
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
 
     channel = _Channel()
     hops = P2PTransport(None, 0, 2, datetime.timedelta(seconds=5), channel)
@@ -143,6 +152,11 @@ def test_a_captured_wait_is_only_stream_ordered_and_a_replay_is_watched():
     with pytest.raises(RuntimeError), hops.capturing():
         raise RuntimeError("a capture that failed")
     assert not hops.in_capture  # left on failure too
+    hops.current_stream = lambda device: f"current stream of {device}"
+    hops.after_replay("cuda:0")
+    replay, call, what, peers = channel.waits[-1]
+    assert isinstance(replay, _Replayed) and (call, peers) == (7, None) and "replay" in what
+    assert replay.event.stream == "current stream of cuda:0" and replay.is_completed() and replay.wait()
 
 
 @pytest.mark.gpu
