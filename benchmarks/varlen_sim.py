@@ -14,7 +14,8 @@ each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events): each tim
 the rounds, so a drift of the GPU's speed during the run moves them alike instead of
 landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
 0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
-Also:
+Also: each rank's time beside its tokens, causal pairs and key rows (``rank_ms``, ``rank_tokens``,
+``rank_pairs``, ``rank_key_rows``: the data to fit the placement's cost model to);
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring), the
 key rows the split documents' holders need (what the exchange moves) and the pieces, and the
 solver's time for 1,000 documents, all whole and with one split (CPU, median of 7).
@@ -250,6 +251,8 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
                     "split_docs": len(packing.split_docs()), "full_ms": full_ms, "rank_ms": per_rank,
+                    "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
+                    "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": full_ms / (P * slowest),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
