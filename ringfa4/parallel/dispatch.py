@@ -259,17 +259,13 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
 
 def refine_boundaries(placement: DocPlacement, means: tuple[float, float], token_bound: float = TOKEN_BOUND,
                       budget: int = 2048) -> DocPlacement:
-    """``placement`` with the boundaries between neighbouring pieces of its split documents moved,
-    by whole tiles of rows from the holder with more causal pairs to the one with fewer (step 5 of
-    the module docstring). Each move is the one that lowers the sum of the squared per-rank pairs
-    most: a boundary's move of ``g`` pairs from ``f_a`` to ``f_b`` lowers it by ``2 g (f_a - f_b -
-    g)``, so the larger of the two never grows, and the rows it moves are about those that even
-    the two out (:func:`_even_rows`); the receiver stays within ``token_bound x T`` tokens. Until no
-    move lowers it (ties: the lower document, then the lower boundary). Pieces keep their holders
-    and order, stay multiples of the tile (only a document's last may be shorter) and never become
-    empty. Every move weighs all boundaries; at most ``budget`` boundaries are weighed in all (at most
-    about 4 ms of host time on the build machine), so a placement of hundreds of pieces (every document
-    split, balanced by its zigzag already) gets a few moves and a pack of tens of pieces all it needs."""
+    """``placement`` after step 5 of the module docstring. A move of ``g`` pairs across a boundary
+    from ``f_a`` to ``f_b`` lowers the sum of squares by ``2 g (f_a - f_b - g)`` (so the larger of
+    the two never grows); each move is the one that lowers it most, of about the rows that even the
+    two out (:func:`_even_rows`; ties: the lower document, then the lower boundary). Pieces never
+    become empty. Every move weighs all boundaries, ``budget`` of them in all (at most about 4 ms of
+    host time on the build machine): hundreds of pieces (every document split, evened by its zigzag
+    already) get a few moves, tens of pieces all they need."""
     t, cap = placement.tile, token_bound * means[0]
     tok, fl = list(placement.tokens), list(placement.pairs)
     tables = {d: [list(b) for b in placement.piece_table[d]] for d in placement.split}
