@@ -31,7 +31,9 @@ Failure detection in graph mode. Before a replay everything runs as in eager: th
 and the metadata check (every call, or once per key with ``metadata_check="new_shapes"``), so a
 bad input is refused on every rank before any data moves. On real ranks every rank captures at
 the same call (the key is agreed by the check); a rank whose capture fails runs that key eagerly,
-which issues the same NCCL operations in the same order as the peers' replays. During a capture
+which issues the same NCCL operations in the same order as the peers' replays (best effort: a
+capture that fails inside NCCL can leave the communicator unusable, and the next hop then fails,
+named). During a capture
 nothing is watched (a captured wait is only stream-ordered); a replay is watched as one wait of
 its call (:meth:`~ringfa4.parallel.transport.Transport.after_replay`): a root cause a peer
 posted, a dead peer, or ``RingOptions.timeout_s`` after the replay was queued without it
