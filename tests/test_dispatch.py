@@ -121,13 +121,19 @@ def test_boundary_refinement_evens_pairs_and_keeps_the_pieces(monkeypatch):
 
     refine = dispatch.refine_boundaries
     rnd = random.Random(0)
-    improved = 0
-    for trial in range(120):
-        P, tile = rnd.choice([2, 3, 4, 8, 16, 32]), rnd.choice([1, 8, 128])
+    cases = []
+    for _ in range(120):
         total, lengths = rnd.choice([8192, 65536]), []
         while sum(lengths) < total:
             lengths.append(min(rnd.choice([rnd.randint(512, 16384), int(2 ** rnd.uniform(0, 16))]),
                                total - sum(lengths)))
+        cases.append((rnd.choice([2, 3, 4, 8, 16, 32]), rnd.choice([1, 8, 128]), lengths))
+    for _ in range(60):  # a few tiny and long documents on many ranks: zigzag cuts with empty pieces
+        cases.append((rnd.choice([8, 16, 32]), 128, [rnd.choice([1, 5, 100, 300, 700, 2000, 9000, 20000])
+                                                      for _ in range(rnd.randint(2, 12))]))
+    improved = 0
+    for trial, (P, tile, lengths) in enumerate(cases):
+        total = sum(lengths)
         monkeypatch.setattr(dispatch, "refine_boundaries", lambda pl, *a, **k: pl)
         base = balance_documents(tuple(lengths), P, tile)
         monkeypatch.setattr(dispatch, "refine_boundaries", refine)

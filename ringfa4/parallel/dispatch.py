@@ -270,11 +270,13 @@ def refine_boundaries(placement: DocPlacement, means: tuple[float, float], token
     tok, fl = list(placement.tokens), list(placement.pairs)
     tables = {d: [list(b) for b in placement.piece_table[d]] for d in placement.split}
     bounds = [(d, i, a, b) for d in tables for i in range(len(tables[d]) - 1)
-              for a, b in [(_holder(placement, d, i), _holder(placement, d, i + 1))] if a != b]
+              for a, b in [(_holder(placement, d, i), _holder(placement, d, i + 1))] if a != b and a >= 0 and b >= 0]
     for _ in range(budget // max(1, len(bounds))):
         move = None
         for d, i, a, b in bounds:
             left, right = tables[d][i], tables[d][i + 1]
+            if not (left[1] and right[1]):  # an empty piece stays empty (and its neighbour the last)
+                continue
             x = right[0]
             if fl[b] > fl[a] and right[1] > t:  # rows [x, x + n) from b to a
                 src, dst, most, down = b, a, (right[1] - 1) // t * t, False
@@ -315,8 +317,8 @@ def _even_rows(x: int, diff: int, tile: int, most: int, down: bool) -> tuple[int
 
 
 def _holder(placement: DocPlacement, doc: int, piece: int) -> int:
-    """The rank holding piece ``piece`` of split document ``doc``."""
-    return next(r for r, held in enumerate(placement.split_pieces[doc]) if piece in held)
+    """The rank holding piece ``piece`` of split document ``doc`` (-1: none)."""
+    return next((r for r, held in enumerate(placement.split_pieces[doc]) if piece in held), -1)
 
 
 def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float = TOKEN_BOUND,
