@@ -144,6 +144,32 @@ def test_ring_sim_records_its_options(monkeypatch):
     assert got["bwd_ring"] == "q" and got["dkv_groups"] == 2 and got["fp32_grads"] is True
 
 
+def test_varlen_sim_fits_the_rank_cost():
+    """varlen_sim's per-rank cost fit recovers known per-unit costs from noise-free rank times (and
+    pairs alone then explain less of them), one fit a pass, balanced rows only."""
+    import random
+
+    import varlen_sim
+
+    rnd = random.Random(0)
+    truth = {"rank_pairs": 2e-6, "rank_key_rows": 0.05, "rank_tokens": 0.01, "rank_segments": 7.0, "const": 40.0}
+    rows = []
+    for mode in ("balanced", "ring"):
+        for pass_ in ("fwd", "fwd+bwd"):
+            for _ in range(6):
+                P = rnd.choice([4, 8])
+                feats = {f: [rnd.randint(1, 10) * 10 ** rnd.randint(2, 8) for _ in range(P)]
+                         for f in varlen_sim.COST_FEATURES}
+                us = [truth["const"] + sum(truth[f] * feats[f][r] for f in feats) for r in range(P)]
+                rows.append({"mode": mode, "pass": pass_, "rank_ms": [u / 1e3 for u in us], **feats})
+    fits = varlen_sim.fit_rank_cost(rows)
+    assert [f["pass"] for f in fits] == ["fwd", "fwd+bwd"] and all(f["mode"] == "balanced" for f in fits)
+    for fit in fits:
+        assert fit["r2"] > 1 - 1e-9 and fit["r2_pairs"] < 0.99, fit
+        for name, value in truth.items():
+            assert abs(fit["us_per"][name] - value) <= 1e-6 * value, (name, fit)
+
+
 def test_varlen_sim_ranks_alone():
     """varlen_sim's one-rank runs: every mode's forward and backward run for each rank alone; a
     rank whose documents are all whole (nothing travels) gets exactly its rows of the full result."""
