@@ -30,14 +30,17 @@ def full_call(backend, spec, backward: bool):
     return run
 
 
-def cp_step(cp, backward: bool, packing=None, causal: bool = True):
-    """``ringfa4.attention`` through ``cp`` (forward, and backward with ``do`` when asked)."""
+def cp_step(cp, backward: bool, packing=None, causal: bool = True, calling_thread: bool = False):
+    """``ringfa4.attention`` through ``cp`` (forward, and backward with ``do`` when asked);
+    ``calling_thread``: the backward runs on this thread (``set_multithreading_enabled(False)``)
+    instead of autograd's per-device worker thread, where CUDA backwards run by default."""
     def run(q, k, v, do):
         if backward:
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out = ringfa4.attention(q, k, v, cp=cp, causal=causal, packing=packing)
         if backward:
-            out.backward(do)
+            with torch.autograd.set_multithreading_enabled(not calling_thread):
+                out.backward(do)
     return run
 
 

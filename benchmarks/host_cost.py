@@ -16,6 +16,8 @@ block calls alone, executor level / the API call); ``executor_us_per_rank_step``
 the ring forward / backward alone on already split shards (eager); ``inside_backward_us_per_rank_step``:
 the part of a forward+backward call's host time spent inside the ring's autograd backward, which on CUDA
 runs in autograd's device thread (the rest of the backward's share is the engine and the thread hand-off);
+``calling_thread_us_per_rank_step``: the same forward+backward with its backward on the calling thread
+(``torch.autograd.set_multithreading_enabled(False)``), which tells the device thread's own cost apart;
 and with ``--profile`` the functions where one call's host time goes (cProfile, own and cumulative time,
 top 50; ``inside_backward``: the same inside the autograd thread's ring backward). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
@@ -231,6 +233,11 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
                    "graph_mib": cps[mode].graph_memory() / 2**20}
             if mode == "eager":
                 row["executor_us_per_rank_step"] = execu["us"] / rank_steps
+                if backward:  # the same call with its backward on this thread, not autograd's device thread
+                    calling = host_us(rotating(cp_step(cps[mode], True, calling_thread=True), sets), cycles,
+                                      args.queued_ms, args.reps)
+                    row["calling_thread_us_per_rank_step"] = calling["us"] / rank_steps
+                    row["calling_thread_min_us_per_rank_step"] = calling["min_us"] / rank_steps
             if backward and inside.us:  # of the host time: inside the ring's backward (autograd's thread)
                 row["inside_backward_us_per_rank_step"] = statistics.median(inside.us) / rank_steps
             if args.profile:

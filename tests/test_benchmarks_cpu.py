@@ -261,6 +261,28 @@ def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
     assert isinstance(sink, AccumGradSink) and sink.in_place and sink.groups == 2
 
 
+def test_cp_step_backward_on_the_calling_thread(monkeypatch):
+    """cp_step(calling_thread=True): the ring backward runs with autograd's worker threads off (on
+    CUDA it then runs on the calling thread, not the device thread), the default leaves them on,
+    and the setting is back afterwards."""
+    from ringfa4.parallel.context import _RingAttention
+
+    seen = []
+    orig = _RingAttention.backward
+
+    def spy(ctx, *grads):
+        seen.append(torch._C._is_multithreading_enabled())
+        return orig(ctx, *grads)
+
+    monkeypatch.setattr(_RingAttention, "backward", staticmethod(spy))
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    cp_step(cp, True, calling_thread=True)(q, k, v, do)
+    cp_step(cp, True)(q, k, v, do)
+    assert seen == [False, True] and torch._C._is_multithreading_enabled()
+
+
 def test_host_cost_times_the_ring_backward_where_it_runs():
     """host_cost.InsideBackward: one timed entry per ring backward (the autograd thread's share of a
     call), a profile of it when asked, and the Function's own backward back afterwards."""
