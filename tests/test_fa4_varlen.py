@@ -18,6 +18,7 @@ import json
 import re
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import cute_compile
@@ -166,7 +167,8 @@ if __name__ == "__main__":  # subprocess entry: python test_fa4_varlen.py ARCH R
 def test_padded_rows_made_once_per_cu_seqlens_version():
     """The padded rows of a pack are computed once per cu_seqlens tensor and version: the same
     tensor gives the same result object, an in-place change (a new version) or another tensor
-    with other values recomputes, and every result equals the layout's formula."""
+    with other values recomputes, and every result equals the layout's formula; a result lives
+    as long as its cu_seqlens (however many are alive: a CUDA graph keeping its pack reads it)."""
     from ringfa4.kernels.fa4.varlen_bwd import _padded_rows_of
 
     def want(cu, tile):
@@ -184,9 +186,11 @@ def test_padded_rows_made_once_per_cu_seqlens_version():
     again = _padded_rows_of(cu, 71, 64)
     assert again is not first and torch.equal(again, want(cu, 64))
     other = torch.tensor([0, 71], dtype=torch.int32)
-    assert torch.equal(_padded_rows_of(other, 71, 64), torch.arange(71))
-    from ringfa4.kernels.fa4 import varlen_bwd
-
-    held = len(varlen_bwd._OF_CU)
-    del other  # a dead tensor's entries leave with it
-    assert len(varlen_bwd._OF_CU) == held - 1
+    rows = _padded_rows_of(other, 71, 64)
+    assert torch.equal(rows, torch.arange(71))
+    gone = weakref.ref(rows)
+    del other, rows  # a dead tensor's values leave with it
+    assert gone() is None
+    kept = [torch.tensor([0, n], dtype=torch.int32) for n in range(1, 1500)]  # many live ones: nothing
+    firsts = [_padded_rows_of(c, int(c[1]), 64) for c in kept]  # is dropped (a graph may read them)
+    assert all(_padded_rows_of(c, int(c[1]), 64) is f for c, f in zip(kept, firsts))

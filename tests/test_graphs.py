@@ -115,7 +115,7 @@ def test_transports_say_whether_their_hops_can_be_captured():
     assert "does not say" in Transport().capture_blocker()  # a transport must opt in
     nccl = P2PTransport(None, 1, 2, datetime.timedelta(seconds=5))  # no gloo group: NCCL's path
     assert nccl.capture_blocker() is None
-    assert nccl.graph_key() == (id(None), 1, 2) and LoopbackTransport().graph_key() == ()
+    assert nccl.graph_key() == (None, 1, 2) and LoopbackTransport().graph_key() == ()
     nccl.gloo = True
     assert "gloo" in nccl.capture_blocker()
 
@@ -221,6 +221,48 @@ def test_a_pack_is_captured_when_it_comes_again_and_few_packs_are_kept():
     for n in range(6, 12):  # one-off packs: sightings stay bounded
         at(sched([0, n, 40]))
     assert len(graphs.sightings) == 3 and ("fwd", dense.graph_key()) in graphs.captured
+    at(packs[2])  # kept: packs 1 and 2, pack 2 the recent one
+    assert list(graphs.packs) == [packs[1].graph_key(), packs[2].graph_key()]
+    at(packs[1], "fwd2"), at(packs[1], "fwd2")  # a new key of kept pack 1, captured: pack 1 is the recent one
+    assert list(graphs.packs) == [packs[2].graph_key(), packs[1].graph_key()]
+
+    # dense schedules (lengths) are bounded too: a length that changes every batch (or a one-document
+    # pack that runs the dense ring) keeps at most ``dense_graphs`` of them, the least recent going
+    graphs, made = RingGraphs(dense_graphs=2), []
+    lengths = [cp.run(torch.zeros(1, n, 2, 8), AttnSpec(causal=True)).schedule for n in (64, 80, 96)]
+    for s in lengths:
+        assert at(s) is not None
+    assert [("fwd", s.graph_key()) in graphs.captured for s in lengths] == [False, True, True]
+    assert at(lengths[0]) is not None and len(made) == 4  # evicted: captured again, at its first call
+    graphs.key_bytes = {k: 10 for k in graphs.captured}
+    at(lengths[2]), at(cp.run(torch.zeros(1, 112, 2, 8), AttnSpec(causal=True)).schedule)
+    assert graphs.memory_bytes() == 10 and len(graphs.captured) == 2  # the evicted key's bytes left too
+
+    graphs, made = RingGraphs(pack_graphs=0, dense_graphs=0), []  # none kept: nothing is captured
+    assert at(dense) is None and at(packs[0]) is None and at(packs[0]) is None and made == []
+
+
+def test_a_stuck_replay_times_out_without_an_error_channel():
+    """Without an error channel a replay's wait polls its end event and raises TimeoutError at the
+    timeout (a stuck graph ends like a stuck hop), and returns at once when the replay is done."""
+    import datetime
+    import time
+
+    from ringfa4.parallel.transport import _Replayed
+
+    class Event:
+        def __init__(self, done_after: float) -> None:
+            self.at = time.monotonic() + done_after
+
+        def query(self) -> bool:
+            return time.monotonic() >= self.at
+
+    assert _Replayed(Event(0.02)).wait(datetime.timedelta(seconds=5))
+    assert _Replayed(Event(1e9)).wait() is True  # stream-ordered: nothing to wait on the host
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="CUDA graph replay"):
+        _Replayed(Event(1e9)).wait(datetime.timedelta(seconds=0.1))
+    assert time.monotonic() - t0 < 2.0
 
 
 @pytest.mark.gpu
@@ -257,3 +299,101 @@ def test_a_recurring_pack_replays_its_eager_result(mode, deterministic):
     captured = graphed.graphs.captured
     assert len(captured) == 2 and all(captured.values())  # the recurring pack's forward and backward
     assert len(graphed.graphs.packs) == 1
+
+
+@pytest.mark.gpu
+def test_a_key_first_seen_in_inference_mode_serves_training_calls():
+    """A key captured under ``torch.inference_mode`` (a validation pass before training) replays for
+    later training calls of the same shapes: its static buffers are normal tensors (inference ones
+    refuse in-place copies outside inference mode), and both calls equal eager, bit for bit."""
+    _gpu()
+    P, kw = 4, {"causal": True, "deterministic": True}
+    eager = ringfa4.ContextParallel.simulated(P)
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cuda_graphs.*")
+        q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=30)
+        with torch.inference_mode():
+            got = ringfa4.attention(q, k, v, cp=graphed, return_lse=True, **kw)
+            want = ringfa4.attention(q, k, v, cp=eager, return_lse=True, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=31)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), _run(graphed, q, k, v, do, **kw),
+                              _run(eager, q, k, v, do, **kw)):
+            assert torch.equal(a, b), name
+    assert all(graphed.graphs.captured.values())
+
+
+@pytest.mark.gpu
+def test_evicted_pack_graphs_free_their_keys_and_replays_stay_exact():
+    """With one pack's graphs kept, two recurring packs alternating for three rounds evict each
+    other's graphs (real graphs in the shared pool): every call still equals eager bit for bit
+    (deterministic backward), and the kept memory is one pack's."""
+    from helpers import random_cu_seqlens
+
+    from ringfa4.parallel.ring.graphs import RingGraphs
+
+    _gpu()
+    P, kw = 4, {"causal": True, "deterministic": True}
+    eager = ringfa4.ContextParallel.simulated(P)
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    graphed.graphs = RingGraphs(pack_graphs=1)
+    packs = [[1, 700, 1500, 5, 3000, 2100], [3000, 1, 2000, 2305]]
+    sizes = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cuda_graphs.*")
+        for seed in range(6):
+            lengths = packs[seed % 2]
+            cu = random_cu_seqlens(lengths, device="cuda")
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            q, k, v, do = (torch.randn(sum(lengths), n, 128, generator=g).to("cuda", torch.bfloat16)
+                           for n in (8, 2, 2, 8))
+            for _ in range(2):  # two layers a batch: the pack's second call captures
+                want = _run(eager, q, k, v, do, packing=eager.pack(cu), **kw)
+                got = _run(graphed, q, k, v, do, packing=graphed.pack(cu), **kw)
+                for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+                    assert torch.equal(a, b), (seed, name)
+            assert len(graphed.graphs.packs) == 1 and len(graphed.graphs.captured) == 2
+            sizes.append(graphed.graph_memory())
+    assert all(s > 0 for s in sizes) and sizes[4] == sizes[2] and sizes[5] == sizes[3]
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_leaves_the_callers_stream_and_runs_eagerly():
+    """A ring step that cannot be captured (a host sync inside it) fails its capture: the call runs
+    eagerly with the eager result, says so once, the caller's stream is current again, the key
+    stays eager, and a later capturable call still captures and replays exactly."""
+    from ringfa4.parallel.ring import ring_forward
+
+    _gpu()
+    P = 4
+    graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+    q, k, v, _ = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=40)
+    run = graphed.run(q, AttnSpec(causal=True))
+    qs, ks, vs = (graphed.comm.split(graphed.layout, t, 1) for t in (q, k, v))
+
+    def syncing_forward(run, qs, ks, vs):
+        outs, lses = ring_forward(run, qs, ks, vs)
+        float(outs[0].float().sum())  # a host sync: illegal while capturing
+        return outs, lses
+
+    want = ring_forward(run, qs, ks, vs)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.warns(UserWarning, match="capture failed"):
+            got = graphed.graphs.call(syncing_forward, run, qs, ks, vs)
+        assert torch.cuda.current_stream() == stream
+        again = graphed.graphs.call(syncing_forward, run, qs, ks, vs)  # the key stays eager: no new warning
+
+        def plain(run, *lists):
+            return ring_forward(run, *lists)
+        ok = graphed.graphs.call(plain, run, qs, ks, vs)  # captured (and replayed)
+        ok2 = graphed.graphs.call(plain, run, qs, ks, vs)  # replayed
+        assert torch.cuda.current_stream() == stream
+    torch.cuda.synchronize()
+    assert graphed.graphs.captured[next(k for k in graphed.graphs.captured if k[0] is syncing_forward)] is None
+    assert graphed.graphs.captured[next(k for k in graphed.graphs.captured if k[0] is plain)] is not None
+    for res in (got, again):
+        assert all(torch.equal(a, b) for a, b in zip(res[0] + res[1], want[0] + want[1]))
+    assert all(torch.equal(a, b) for a, b in zip(ok2[0] + ok2[1], want[0] + want[1]))
+    assert all(torch.equal(a, b) for a, b in zip(ok[0] + ok[1], want[0] + want[1]))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import time
 from collections.abc import Iterator
 
 import torch
@@ -48,15 +49,22 @@ def _first(bufs: list) -> torch.Tensor:
 
 class _Replayed:
     """A CUDA graph replay as a work the error channel can watch: ``wait()`` is a no-op (the
-    replay ran on the current stream), ``wait(timeout)`` blocks the host until it is done (the
-    channel's host-side waits), ``is_completed()`` asks its end event."""
+    replay ran on the current stream), ``wait(timeout)`` holds the host until it is done (a
+    transport without an error channel), polling its end event, and raises TimeoutError past
+    ``timeout``; ``is_completed()`` asks its end event."""
 
     def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        if timeout is not None:
-            self.event.synchronize()
+        if timeout is None:
+            return True
+        deadline, pause = time.monotonic() + timeout.total_seconds(), 1e-4
+        while not self.event.query():  # polled, so a stuck replay ends at the timeout as a stuck hop does
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"a CUDA graph replay of the ring call did not finish within {timeout}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
         return True
 
     def is_completed(self) -> bool:
@@ -302,8 +310,9 @@ class P2PTransport(Transport):
         return None
 
     def graph_key(self) -> tuple:
-        """The communicator (a renewed group is a new key) and this rank's place in it."""
-        return (id(self.group), self.rank, self.world_size)
+        """The communicator (a renewed group is a new key; the group itself, not its id, which a
+        later group could reuse) and this rank's place in it."""
+        return (self.group, self.rank, self.world_size)
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted

@@ -35,7 +35,6 @@ zero-length q segment crashes FA4's varlen backward: callers never pass one.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
@@ -85,22 +84,17 @@ def _gather_index(cu: torch.Tensor, total: int, tile: int, order: torch.Tensor, 
     return ((p // tile) * (tile * d_r)).unsqueeze(1).add(inner).flatten()
 
 
-_OF_CU: dict[tuple, tuple] = {}  # (id, version, what) of a cu_seqlens -> (weakref to it, the result)
-
-
 def _of_cu(cu: torch.Tensor, what: tuple, make):
     """``make()``, computed once per cu_seqlens tensor, version and ``what`` (a pack's blocks pass
-    the same tensors on every layer), the tensor held weakly: its entries leave when it dies, so a
-    dead one's id never matches and packs that change every batch keep nothing. The result is made
-    on the stream current at its first use (the ring's compute stream, as later)."""
-    key = (id(cu), cu._version, what)
-    got = _OF_CU.get(key)
-    if got is not None and got[0]() is cu:
-        return got[1]
-    value = make()
-    if len(_OF_CU) >= 1024:  # a safety bound (entries leave with their tensors)
-        _OF_CU.clear()
-    _OF_CU[key] = (weakref.ref(cu, lambda _, key=key: _OF_CU.pop(key, None)), value)
+    the same tensors on every layer). The result is kept on the tensor itself, so it lives exactly
+    as long as the cu_seqlens: packs that change every batch keep nothing, and a CUDA graph that
+    keeps its pack's cu_seqlens alive keeps what it reads of these too. Made on the stream current
+    at its first use (the ring's compute stream, as later)."""
+    cache = cu.__dict__.setdefault("_ringfa4_of_cu", {})
+    key = (cu._version, what)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
     return value
 
 

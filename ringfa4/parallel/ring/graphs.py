@@ -6,12 +6,16 @@ the schedule by value (``Schedule.graph_key``: layout, sequence length and mask;
 documents the pack's cu_seqlens, layout and placement rule), the ranks, the block spec, the
 options, the backend, the transport's communicator
 (:meth:`~ringfa4.parallel.transport.Transport.graph_key`) and the shape, strides, dtype and device
-of every input. A dense key is captured at its first call (every layer repeats it). Every pack is a
-new schedule, so a pack's key is captured only when the same pack comes a second time (a trainer
-whose loader buckets documents into recurring packs, fixed evaluation batches); one-off packs run
-eagerly at no capture cost, and the graphs of at most ``pack_graphs`` packs are kept (the least
-recently replayed goes first). The capture-time call's schedule stays alive with its graph (the
-graph reads its device-side cu_seqlens). The first call of a key runs once eagerly on a
+of every input, and whether autocast is on. A dense key is captured at its first call (every layer
+repeats it). Every pack is a new schedule, so a pack's key is captured only at its second call (the
+next layer of the same batch, or the same pack in a later batch: a trainer whose loader buckets
+documents into recurring packs, fixed evaluation batches); a pack used by one call only runs
+eagerly at no capture cost. The graphs of at most ``pack_graphs`` packs and ``dense_graphs``
+dense schedules (sequence lengths; a pack of one document placed as the dense layout places it
+runs the dense ring and counts as one) are kept, the least recently replayed going first, so
+lengths or packs that change every batch keep bounded memory. The capture-time call's schedule
+stays alive with its graph (the graph reads its device-side cu_seqlens, and the backends' values
+derived from them, which live as long as those tensors). The first call of a key runs once eagerly on a
 side stream (compiles, lazy initialisations, the backends' prepared launches, a communicator's
 first use), then is captured on static copies of its inputs; every call of that key (this one
 included) copies its inputs into those, replays the graph and hands back copies of the outputs
@@ -44,6 +48,7 @@ executor has no peers to wait on: its replays are not watched.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -76,23 +81,26 @@ def _unflat(flat: list[torch.Tensor], lists: tuple[list[torch.Tensor], ...]) -> 
 
 
 class RingGraphs:
-    """The captured ring calls of one ``ContextParallel`` (see the module doc). ``pack_graphs``:
-    the most packs whose graphs are kept (the least recently replayed one goes first);
-    ``pack_memory``: how many packs' sightings are remembered."""
+    """The captured ring calls of one ``ContextParallel`` (see the module doc). ``pack_graphs`` /
+    ``dense_graphs``: the most packs / dense schedules (sequence lengths) whose graphs are kept
+    (the least recently replayed one goes first; 0: none captured); ``pack_memory``: how many
+    packs' sightings are remembered."""
 
-    def __init__(self, pack_graphs: int = 8, pack_memory: int = 256) -> None:
+    def __init__(self, pack_graphs: int = 8, pack_memory: int = 256, dense_graphs: int = 8) -> None:
         self.captured: dict[tuple, _Captured | None] = {}  # None: this key runs eagerly
         self.pool = None
         self.said: set[str] = set()
-        self.bytes = 0
-        self.pack_graphs, self.pack_memory = pack_graphs, pack_memory
+        self.key_bytes: dict[tuple, int] = {}  # per captured key: the device memory its capture took
+        self.pack_graphs, self.pack_memory, self.dense_graphs = pack_graphs, pack_memory, dense_graphs
         self.sightings: OrderedDict[tuple, int] = OrderedDict()  # keys not captured yet: calls seen
         self.packs: OrderedDict[tuple, list[tuple]] = OrderedDict()  # a recurring pack's schedule key: its keys
+        self.dense: OrderedDict[tuple, list[tuple]] = OrderedDict()  # a dense schedule's key: its keys
 
     def memory_bytes(self) -> int:
-        """Device memory the captures took (static inputs, the graphs' outputs and pool; the pool
-        keeps what an evicted pack's graphs used for later captures)."""
-        return self.bytes
+        """Device memory the kept captures took (static inputs, the graphs' outputs and pool
+        allocations); an evicted schedule's share leaves it (its pool blocks stay reserved in the
+        shared pool for later captures)."""
+        return sum(self.key_bytes.values())
 
     def _say(self, reason: str) -> None:
         if reason not in self.said:
@@ -124,25 +132,29 @@ class RingGraphs:
         flat = _flat(lists)
         key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
                run.transport.graph_key(), tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat),
-               tuple(len(lst) for lst in lists))
-        cap = self.entry(key, run, lambda: self._capture(fn, run, lists))
-        if cap is None:
-            return fn(run, *lists)
-        for dst, src in zip(cap.inputs, flat):
-            dst.copy_(src)
-        cap.graph.replay()
-        run.transport.after_replay(flat[0].device)
-        return tuple([o.clone() for o in lst] for lst in cap.outputs)
+               tuple(len(lst) for lst in lists), torch.is_autocast_enabled("cuda"))
+        device = flat[0].device
+        with _on(device):
+            cap = self.entry(key, run, lambda: self._capture(fn, run, lists, key))
+            if cap is None:
+                return fn(run, *lists)
+            for dst, src in zip(cap.inputs, flat):
+                dst.copy_(src)
+            cap.graph.replay()
+            run.transport.after_replay(device)
+            return tuple([o.clone() for o in lst] for lst in cap.outputs)
 
     def entry(self, key: tuple, run: RingRun, capture: Callable[[], _Captured | None]) -> _Captured | None:
         """The graph of ``key`` (a call over ``run``), captured by ``capture()`` at the key's
         ``run.schedule.graph_sightings()``-th call; None: the call runs eagerly (not yet, or its
-        capture failed). A pack's graphs are kept for at most ``pack_graphs`` packs."""
+        capture failed). Graphs are kept for at most ``pack_graphs`` packs and ``dense_graphs``
+        dense schedules (a pack of one document that runs the dense ring is one of those)."""
         wanted = run.schedule.graph_sightings()
-        pack = run.schedule.graph_key() if wanted > 1 else None
+        group = run.schedule.graph_key()
+        kept, limit = (self.packs, self.pack_graphs) if wanted > 1 else (self.dense, self.dense_graphs)
         if key in self.captured:
-            if pack is not None:
-                self.packs.move_to_end(pack)
+            if group in kept:
+                kept.move_to_end(group)
             return self.captured[key]
         seen = self.sightings.pop(key, 0) + 1
         if seen < wanted:
@@ -150,31 +162,67 @@ class RingGraphs:
             while len(self.sightings) > self.pack_memory:
                 self.sightings.popitem(last=False)
             return None
-        if pack is not None:
-            if pack not in self.packs and len(self.packs) >= self.pack_graphs:
-                _, gone = self.packs.popitem(last=False)
-                for k in gone:
-                    self.captured.pop(k, None)
-            self.packs.setdefault(pack, []).append(key)
+        if limit <= 0:
+            return None
+        if group not in kept and len(kept) >= limit:
+            _, gone = kept.popitem(last=False)
+            for k in gone:
+                self.captured.pop(k, None)
+                self.key_bytes.pop(k, None)
+        kept.setdefault(group, []).append(key)
+        kept.move_to_end(group)
         self.captured[key] = capture()
         return self.captured[key]
 
-    def _capture(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> _Captured | None:
-        before = torch.cuda.memory_allocated()
-        static = _unflat([t.detach().clone() for t in _flat(lists)], lists)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # once eagerly: compiles, lazy inits, prepared launches
-            fn(run, *static)
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:  # thread_local: the stream watch's thread may query earlier hops' events meanwhile
-            with run.transport.capturing(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outputs = fn(run, *static)
-        except Exception as exc:  # a step that cannot be captured (a host sync, an unsupported call)
-            self._say(f"capture failed ({type(exc).__name__}: {exc})")
-            return None
-        self.bytes += torch.cuda.memory_allocated() - before
-        return _Captured(graph, _flat(static), tuple(list(o) for o in outputs), run)
+    def _capture(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...],
+                 key: tuple) -> _Captured | None:
+        """Capture ``fn(run, *lists)`` (on static copies of ``lists``). Made outside inference mode
+        (inference tensors as static buffers would refuse a later training call's copies), in the
+        caller's grad mode; a failed capture leaves the caller's stream current and the pool's
+        allocation ended, and the key eager."""
+        grad = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            before = torch.cuda.memory_allocated()
+            static = _unflat([t.detach().clone() for t in _flat(lists)], lists)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # once eagerly: compiles, lazy inits, prepared launches
+                fn(run, *static)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph's exit ends the capture before it restores the stream, so a capture that
+            # fails there would leave the capture stream current: the outer stream context restores it
+            try:  # thread_local: the stream watch's thread may query earlier hops' events meanwhile
+                with torch.cuda.stream(torch.cuda.current_stream()), run.transport.capturing(), \
+                        torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    outputs = fn(run, *static)
+            except Exception as exc:  # a step that cannot be captured (a host sync, an unsupported call)
+                _end_pool_allocation(lists[0][0].device, self.pool)
+                self._say(f"capture failed ({type(exc).__name__}: {exc})")
+                return None
+            self.key_bytes[key] = torch.cuda.memory_allocated() - before
+            return _Captured(graph, _flat(static), tuple(list(o) for o in outputs), run)
+
+
+def _on(device: torch.device):
+    """The CUDA device guard of ``device`` where it is not the current one (a capture's side and
+    capture streams, and a replay, belong to the inputs' device), else nothing."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _end_pool_allocation(device: torch.device, pool) -> None:
+    """After a failed capture: the caching allocator may still route this thread's allocations
+    to the graph pool and hold back freed blocks (a capture it thinks is underway: CUDAGraph's
+    capture_end raises before it ends the pool's allocation). End it; nothing if it had ended."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    if end is None:
+        return
+    try:
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+    except RuntimeError:  # "not currently recording to mempool_id": the capture had ended it
+        pass
