@@ -14,8 +14,9 @@ each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events): each tim
 the rounds, so a drift of the GPU's speed during the run moves them alike instead of
 landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
 0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
-Also: each rank's time beside its tokens, causal pairs, key rows and segments (``rank_ms``,
-``rank_tokens``, ``rank_pairs``, ``rank_key_rows``, ``rank_segments``), and their least-squares fit
+Also: each rank's time beside its tokens, causal pairs (exact, and in whole tiles: what its kernels
+compute), key rows and segments (``rank_ms``, ``rank_tokens``, ``rank_pairs``, ``rank_tile_pairs``,
+``rank_key_rows``, ``rank_segments``; ``tile_balance``), and their least-squares fit
 over the balanced rows (``rank_cost_fit``, :func:`fit_rank_cost`: what the placement's cost model
 should weigh, and how much of the time pairs alone explain);
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring), the
@@ -256,6 +257,8 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
                     "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "rank_segments": [len(packing.segments(r)) for r in range(P)],
+                    "rank_tile_pairs": [packing.tile_work(r) for r in range(P)],
+                    "tile_balance": _ratio([packing.tile_work(r) for r in range(P)]),
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": full_ms / (P * slowest),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
@@ -267,23 +270,26 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
     return rows
 
 
-COST_FEATURES = ("rank_pairs", "rank_key_rows", "rank_tokens", "rank_segments")
+COST_FEATURES = ("rank_tile_pairs", "rank_key_rows", "rank_tokens", "rank_segments")
 
 
 def fit_rank_cost(rows: list[dict], mode: str = "balanced") -> list[dict]:
     """Least squares of each rank's time on its features (:data:`COST_FEATURES` and a constant),
     over the ``mode`` rows of every mix and P, one fit a pass: what the placement's cost model
     should weigh. Per pass: ``us_per`` (us per unit of each feature, and ``const``), ``r2`` of the
-    fit and ``r2_pairs`` of pairs and a constant alone (the solver's model), ``ranks`` fitted."""
+    fit, ``r2_pairs`` / ``r2_tile_pairs`` of exact pairs / whole-tile pairs and a constant alone (the
+    solver's candidates / its last step), ``ranks`` fitted."""
     out = []
     for pass_ in sorted({r["pass"] for r in rows if r["mode"] == mode}):
-        sel = [r for r in rows if r["mode"] == mode and r["pass"] == pass_ and all(f in r for f in COST_FEATURES)]
+        sel = [r for r in rows if r["mode"] == mode and r["pass"] == pass_
+               and all(f in r for f in COST_FEATURES + ("rank_pairs",))]
         y = torch.tensor([ms * 1e3 for r in sel for ms in r["rank_ms"]], dtype=torch.float64)
         cols = [torch.tensor([float(x) for r in sel for x in r[f]], dtype=torch.float64) for f in COST_FEATURES]
+        pairs = torch.tensor([float(x) for r in sel for x in r["rank_pairs"]], dtype=torch.float64)
         if len(y) <= len(cols) + 1:
             continue
         r2 = {}
-        for name, use in (("all", cols), ("pairs", cols[:1])):
+        for name, use in (("all", cols), ("pairs", [pairs]), ("tile_pairs", cols[:1])):
             X = torch.stack(use + [torch.ones_like(y)], dim=1)
             scale = X.abs().amax(dim=0).clamp_min(1.0)  # features of 1e9 beside a constant: solve scaled
             coef = torch.linalg.lstsq(X / scale, y.unsqueeze(1)).solution.squeeze(1) / scale
@@ -292,7 +298,7 @@ def fit_rank_cost(rows: list[dict], mode: str = "balanced") -> list[dict]:
             if name == "all":
                 us_per = dict(zip(COST_FEATURES + ("const",), coef.tolist(), strict=True))
         out.append({"pass": pass_, "mode": mode, "ranks": len(y), "us_per": us_per, "r2": r2["all"],
-                    "r2_pairs": r2["pairs"]})
+                    "r2_pairs": r2["pairs"], "r2_tile_pairs": r2["tile_pairs"]})
     return out
 
 
@@ -334,8 +340,8 @@ def main() -> None:
     print("\nEach balanced rank's time fitted to its features (us per unit; R^2 of the fit, and of pairs alone):")
     for fit in fit_rank_cost(rows):
         terms = ", ".join(f"{k} {v:.3g}" for k, v in fit["us_per"].items())
-        print(f"  {fit['pass']}: {terms}; R^2 {fit['r2']:.3f} (pairs alone {fit['r2_pairs']:.3f}; "
-              f"{fit['ranks']} ranks)")
+        print(f"  {fit['pass']}: {terms}; R^2 {fit['r2']:.3f} (alone: pairs {fit['r2_pairs']:.3f}, whole-tile "
+              f"pairs {fit['r2_tile_pairs']:.3f}; {fit['ranks']} ranks)")
     if args.profile:
         print("\n| mix | P | mode | pass | ideal ms (one call / P) | wall ms | busy share | GPU ms by group |")
         print("|---|---|---|---|---|---|---|---|")

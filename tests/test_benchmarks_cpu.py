@@ -152,7 +152,7 @@ def test_varlen_sim_fits_the_rank_cost():
     import varlen_sim
 
     rnd = random.Random(0)
-    truth = {"rank_pairs": 2e-6, "rank_key_rows": 0.05, "rank_tokens": 0.01, "rank_segments": 7.0, "const": 40.0}
+    truth = {"rank_tile_pairs": 2e-6, "rank_key_rows": 0.05, "rank_tokens": 0.01, "rank_segments": 7.0, "const": 40.0}
     rows = []
     for mode in ("balanced", "ring"):
         for pass_ in ("fwd", "fwd+bwd"):
@@ -161,11 +161,13 @@ def test_varlen_sim_fits_the_rank_cost():
                 feats = {f: [rnd.randint(1, 10) * 10 ** rnd.randint(2, 8) for _ in range(P)]
                          for f in varlen_sim.COST_FEATURES}
                 us = [truth["const"] + sum(truth[f] * feats[f][r] for f in feats) for r in range(P)]
+                feats["rank_pairs"] = [x * 0.95 for x in feats["rank_tile_pairs"]]
                 rows.append({"mode": mode, "pass": pass_, "rank_ms": [u / 1e3 for u in us], **feats})
     fits = varlen_sim.fit_rank_cost(rows)
     assert [f["pass"] for f in fits] == ["fwd", "fwd+bwd"] and all(f["mode"] == "balanced" for f in fits)
     for fit in fits:
-        assert fit["r2"] > 1 - 1e-9 and fit["r2_pairs"] < 0.99, fit
+        assert fit["r2"] > 1 - 1e-9 and fit["r2_tile_pairs"] < 0.99
+        assert abs(fit["r2_pairs"] - fit["r2_tile_pairs"]) < 1e-9  # pairs here: a multiple of the tile pairs
         for name, value in truth.items():
             assert abs(fit["us_per"][name] - value) <= 1e-6 * value, (name, fit)
 

@@ -53,11 +53,15 @@ so it runs the dense ring).
 
 5. Then (two documents or more, something split) :func:`refine_boundaries` moves the boundaries
    between neighbouring pieces of a split document held by different ranks, whole tiles at a
-   time, from the holder with more pairs to the one with fewer, while that lowers the sum of the
-   squared per-rank pairs and the receiver stays within the token bound. Holders, pieces and
-   their order stay; only their sizes change. The candidates above balance ``max(tokens / T,
-   pairs / F)`` in steps of whole pieces; this evens out what those steps leave (the benchmarks'
-   7-document 64k pack at P = 8: max / mean pairs 1.027 -> 1.007, tokens 1.013 -> 1.031).
+   time, from the holder whose kernels compute more to the one computing less, while that lowers
+   the sum of the squared per-rank work and the receiver stays within the token and FLOP bounds.
+   Its work is counted in whole tiles (:func:`~ringfa4.parallel.doc_placement.tile_pairs`: the
+   diagonal's tiles and a short last query tile's row are computed whole, so short documents and
+   pieces cost more than their pairs), and it stops within :data:`EVEN_PAIRS` of the mean.
+   Holders, pieces and their order stay; only their sizes change. The candidates above balance
+   ``max(tokens / T, pairs / F)`` in steps of whole pieces; this evens out what those steps leave
+   (the benchmarks' 7-document 64k pack at P = 8: max / mean tile work 1.027 -> 1.006, exact pairs
+   1.027 -> 1.013, tokens 1.013 -> 1.033, the same 19 pieces).
 
 Pure integer work (and float ratios), the same on every rank given the same cu_seqlens (the
 cross-rank check compares those). Its time goes into placing every whole document per candidate,
@@ -76,10 +80,10 @@ longest that fits.
 from __future__ import annotations
 
 from .dispatch_fill import fill_placement
-from .doc_placement import DocPlacement, piece_bounds, piece_pairs
+from .doc_placement import DocPlacement, piece_bounds, piece_pairs, tile_pairs
 
 __all__ = ["DocPlacement", "balance_documents", "fill_placement", "piece_bounds", "piece_pairs",
-           "refine_boundaries", "zigzag_placement"]
+           "refine_boundaries", "tile_pairs", "zigzag_placement"]
 
 TOKEN_BOUND = 1.08
 FLOP_BOUND = 1.04
@@ -209,29 +213,41 @@ def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int =
         if filled is not None and max(filled.tokens) <= caps[0] and max(filled.pairs) <= caps[1] and (
                 not feasible or (filled.key_rows(), sum(filled.n_pieces)) < (best.key_rows(), sum(best.n_pieces))):
             best = filled
-        return refine_boundaries(best, means, token_bound)
+        return refine_boundaries(best, lengths, means, token_bound, flop_bound)
     return best
 
 
-def refine_boundaries(placement: DocPlacement, means: tuple[float, float], token_bound: float = TOKEN_BOUND,
-                      budget: int = 2048, even: float = EVEN_PAIRS) -> DocPlacement:
-    """``placement`` after step 5 of the module docstring. A move of ``g`` pairs across a boundary
-    from ``f_a`` to ``f_b`` lowers the sum of squares by ``2 g (f_a - f_b - g)`` (so the larger of
-    the two never grows); each move is the one that lowers it most, of about the rows that even the
-    two out (:func:`_even_rows`; ties: the lower document, then the lower boundary). Pieces never
-    become empty. It stops once the most pairs on a rank are within ``even`` (x the mean pairs) of
-    the mean: a move trades tokens for pairs, and past that the tokens (activation memory, every
-    other layer's time) are worth more. Every move weighs all boundaries, ``budget`` of them in all
-    (at most about 4 ms of host time on the build machine): hundreds of pieces (every document
-    split, evened by its zigzag already) get a few moves, tens of pieces all they need."""
-    t, cap = placement.tile, token_bound * means[0]
-    tok, fl = list(placement.tokens), list(placement.pairs)
-    enough = (1.0 + even) * means[1]
+def refine_boundaries(placement: DocPlacement, lengths: list[int], means: tuple[float, float],
+                      token_bound: float = TOKEN_BOUND, flop_bound: float = FLOP_BOUND, budget: int = 2048,
+                      even: float = EVEN_PAIRS) -> DocPlacement:
+    """``placement`` of documents of ``lengths`` after step 5 of the module docstring, in the pairs
+    the kernels compute (:func:`tile_pairs` at the placement's tile: the whole tiles the causal mask
+    touches, where the candidates count exact pairs; a short document's diagonal and last query
+    tile make its tiles up to ~20% more than its pairs). A move of ``g`` across a boundary from
+    ``f_a`` to ``f_b`` lowers the sum of squares by ``2 g (f_a - f_b - g)`` (so the larger of the two
+    never grows); each move is the one that lowers it most, of about the rows that even the two
+    out (:func:`_even_rows`; ties: the lower document, then the lower boundary), with the receiver
+    within the token bound and, in exact pairs, the FLOP bound. Pieces never become empty. It stops
+    once the most on a rank is within ``even`` (x the mean) of the mean: a move trades tokens for
+    pairs, and past that the tokens (activation memory, every other layer's time) are worth more.
+    Every move weighs all boundaries, ``budget`` of them in all (at most about 4 ms of host time
+    on the build machine): hundreds of pieces (every document split, evened by its zigzag
+    already) get a few moves, tens of pieces all they need."""
+    t, P = placement.tile, placement.world_size
+    cap, pair_cap = token_bound * means[0], flop_bound * means[1]
+    tok, fl, work = list(placement.tokens), list(placement.pairs), [0] * P
+    for d, L in enumerate(lengths):
+        if placement.owner[d] >= 0:
+            work[placement.owner[d]] += tile_pairs(0, L, t)
+        else:
+            for r, held in enumerate(placement.split_pieces[d]):
+                work[r] += sum(tile_pairs(*placement.piece_table[d][j], t) for j in held)
+    enough = (1.0 + even) * sum(work) / P
     tables = {d: [list(b) for b in placement.piece_table[d]] for d in placement.split}
     bounds = [(d, i, a, b) for d in tables for i in range(len(tables[d]) - 1)
               for a, b in [(_holder(placement, d, i), _holder(placement, d, i + 1))] if a != b and a >= 0 and b >= 0]
     for _ in range(budget // max(1, len(bounds))):
-        if max(fl) <= enough:
+        if max(work) <= enough:
             break
         move = None
         for d, i, a, b in bounds:
@@ -239,26 +255,28 @@ def refine_boundaries(placement: DocPlacement, means: tuple[float, float], token
             if not (left[1] and right[1]):  # an empty piece stays empty (and its neighbour the last)
                 continue
             x = right[0]
-            if fl[b] > fl[a] and right[1] > t:  # rows [x, x + n) from b to a
+            if work[b] > work[a] and right[1] > t:  # rows [x, x + n) from b to a
                 src, dst, most, down = b, a, (right[1] - 1) // t * t, False
-            elif fl[a] > fl[b] and left[1] > t:  # rows [x - n, x) from a to b
+            elif work[a] > work[b] and left[1] > t:  # rows [x - n, x) from a to b
                 src, dst, most, down = a, b, left[1] - t, True
             else:
                 continue
             most = min(most, int((cap - tok[dst]) // t) * t)
-            for n in _even_rows(x, fl[src] - fl[dst], t, most, down):
-                gain = piece_pairs(x - n, n) if down else piece_pairs(x, n)
-                drop = gain * (fl[src] - fl[dst] - gain)
-                if drop > 0 and (move is None or drop > move[0]):
-                    move = (drop, d, i, src, dst, gain, -n if down else n)
+            for n in _even_rows(x, work[src] - work[dst], t, most, down):
+                at = x - n if down else x
+                gain, exact = tile_pairs(at, n, t), piece_pairs(at, n)
+                drop = gain * (work[src] - work[dst] - gain)
+                if drop > 0 and fl[dst] + exact <= pair_cap and (move is None or drop > move[0]):
+                    move = (drop, d, i, src, dst, gain, exact, -n if down else n)
         if move is None:
             break
-        _, d, i, src, dst, gain, shift = move
+        _, d, i, src, dst, gain, exact, shift = move
         tables[d][i][1] += shift
         tables[d][i + 1][0] += shift
         tables[d][i + 1][1] -= shift
         n = abs(shift)
-        tok[src], fl[src], tok[dst], fl[dst] = tok[src] - n, fl[src] - gain, tok[dst] + n, fl[dst] + gain
+        tok[src], fl[src], work[src] = tok[src] - n, fl[src] - exact, work[src] - gain
+        tok[dst], fl[dst], work[dst] = tok[dst] + n, fl[dst] + exact, work[dst] + gain
     table = tuple(tuple(tuple(b) for b in tables[d]) if d in tables else placement.piece_table[d]
                   for d in range(len(placement.owner)))
     return DocPlacement(placement.owner, placement.world_size, t, tuple(tok), tuple(fl), placement.split_pieces, table)

@@ -1,12 +1,15 @@
 """What a placement of packed documents on CP ranks is (:class:`DocPlacement`) and the cost model its
 solvers count with (:mod:`ringfa4.parallel.dispatch`): a piece of ``n`` query tokens starting at
-position ``p`` of its document sees ``n p + n (n + 1) / 2`` causal (query, key) pairs."""
+position ``p`` of its document sees ``n p + n (n + 1) / 2`` causal (query, key) pairs
+(:func:`piece_pairs`), and a tiled kernel computes the whole ``tile x tile`` blocks those touch
+(:func:`tile_pairs`: the diagonal's blocks, a short last query tile's row of blocks), what the
+solvers balance."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DocPlacement", "piece_bounds", "piece_pairs"]
+__all__ = ["DocPlacement", "piece_bounds", "piece_pairs", "tile_pairs"]
 
 
 def piece_bounds(length: int, n: int, tile: int) -> list[tuple[int, int]]:
@@ -23,12 +26,26 @@ def piece_pairs(pos: int, n: int) -> int:
     return n * pos + n * (n + 1) // 2
 
 
+def tile_pairs(pos: int, n: int, tile: int) -> int:
+    """The causal pairs a tiled kernel computes for ``n`` query tokens starting at position ``pos``
+    of a document: whole ``tile x tile`` blocks, query tiles counted from the piece's first row
+    and key tiles from the document's first key; every block the mask touches is computed whole
+    (the diagonal's; the whole row of blocks of a short last query tile). For query tile ``i`` of
+    ``q = ceil(n / tile)``: ``ceil(pos / tile) + i + 1`` key tiles, the last one ``ceil((pos + n) /
+    tile)``. Additive over pieces cut on tile multiples; with a tile of 1, :func:`piece_pairs`."""
+    if n <= 0:
+        return 0
+    q, c = -(-n // tile), -(-pos // tile)
+    return tile * tile * ((q - 1) * c + (q - 1) * q // 2 - (-(pos + n) // tile))
+
+
 @dataclass(frozen=True)
 class DocPlacement:
     """Where each document of a pack lives.
 
     owner: per document, the rank holding it whole, or -1 when it is split; world_size: P; tile:
-    the split pieces' alignment; tokens / pairs: per rank, the rows and causal pairs this placement
+    the split pieces' alignment; tokens / pairs: per rank, the rows and the causal pairs its
+    kernels compute (:func:`tile_pairs` at ``tile``; exact pairs with a tile of 1) this placement
     gives (the balance reached); piece_table: per document the ``(start, size)`` of its pieces in
     position order (empty for whole documents); split_pieces: per document, per rank, the indices
     into ``piece_table[doc]`` of the pieces it holds, in position order (empty where it holds none,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import DocPlacement, balance_documents, piece_pairs
+from .dispatch import DocPlacement, balance_documents, piece_pairs, tile_pairs
 from .layouts import Layout
 from .memo import cached_method
 
@@ -233,14 +233,15 @@ class Packing:
         P, docs = self.world_size, len(self.doc_lengths)
         split = self.split_docs()
         toks = [self.rows(r) for r in range(P)]
-        pairs = [self.work(r) for r in range(P)]
+        pairs, tiles = [self.work(r) for r in range(P)], [self.tile_work(r) for r in range(P)]
         lines = [f"{self!r}: {len(split)} of {docs} documents split, {docs - len(split)} whole"]
         for r in range(P):
             whole = sum(1 for s in self.segments(r) if not s.travels)
             lines.append(f"  rank {r}: {toks[r]} tokens ({self.travel_rows(r)} travel), {pairs[r]} causal pairs, "
                          f"{whole} whole documents, {sum(self.piece_ends(r).values())} keys of split ones seen")
         ratio = lambda xs: max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0  # noqa: E731
-        lines.append(f"  balance (max / mean): tokens {ratio(toks):.3f}, FLOPs {ratio(pairs):.3f}")
+        lines.append(f"  balance (max / mean): tokens {ratio(toks):.3f}, FLOPs {ratio(pairs):.3f} "
+                     f"({ratio(tiles):.3f} in whole {self.layout.tile}-token tiles)")
         hop = self.max_travel_rows
         per_hop = f"{hop} rows a hop" if hop and P > 1 else "no hop (nothing travels)"
         if hop and P > 1 and num_kv_heads and head_dim:
@@ -294,6 +295,11 @@ class Packing:
             else:
                 total += s.length * self.doc_lengths[s.doc]
         return total
+
+    def tile_work(self, rank: int) -> int:
+        """The causal pairs ``rank``'s kernels compute: whole tiles of the layout's tile
+        (:func:`~ringfa4.parallel.doc_placement.tile_pairs`; what the balanced solver's last step evens)."""
+        return sum(tile_pairs(s.pos, s.length, self.layout.tile) for s in self.segments(rank))
 
 
 class HybridPacking:
