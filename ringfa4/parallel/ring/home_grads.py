@@ -87,9 +87,12 @@ class HomeGrads:
             dk, dv = self.homes[i]
             return dk.to(k.dtype), dv.to(v.dtype)
         n = self.run.schedule.travel_rows(self.run.ranks[i])
-        if n == 0:  # every row home: the direct call's own gradients (or an empty rank's)
+        if n == 0:  # every row home: the direct call's own gradients (or a rank with no rows: zeros)
             return (final[1].to(k.dtype), final[2].to(v.dtype)) if final is not None else \
-                (torch.empty_like(k), torch.empty_like(v))
+                (torch.zeros_like(k), torch.zeros_like(v))
+        if self.whole[i] is None:  # an executor bug, not an input's: say it rather than return garbage
+            raise RuntimeError(f"HomeGrads.dkv_written({i}) before travel_out({i}): its travelling rows were "
+                               "never written")
         dk, dv = self.whole[i]
         if final is not None:
             for x, f in zip((dk, dv), final[1:]):
