@@ -396,11 +396,11 @@ class P2PTransport(Transport):
         device = (out or got)[0][1].device
         stream, works = self.comm_stream(device), []
 
-        def post():
+        def post():  # the NCCL batch first: its stream waits only for what this stream queued before it, so
+            if ops:  # the local copies queued after run beside the transfers (disjoint receive slots)
+                works.extend(dist.batch_isend_irecv(ops))
             if local:  # one multi-tensor copy, as the loopback's per rank
                 torch._foreach_copy_([d for d, _ in local], [s for _, s in local], non_blocking=True)
-            if ops:
-                works.extend(dist.batch_isend_irecv(ops))
         if stream is None:
             post()
             return Pending(works, what)
