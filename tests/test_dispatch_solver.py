@@ -188,11 +188,14 @@ def _within(tok, fl, caps) -> bool:
     return max(tok) <= caps[0] and max(fl) <= caps[1]
 
 
-def test_candidates_stop_early_only_when_out_of_the_bounds():
-    """The solver's shortcuts (issue 22's solver time): a zigzag candidate (``_place``) or the fill
-    given the caps stops with None exactly when its whole placement puts a rank over a cap, and
-    otherwise is that placement; and the solver on 1,000 documents (one of them or ten cut; P = 8,
-    16, 64) keeps within the bounds."""
+def test_candidates_stop_early_only_when_out_of_the_bounds(monkeypatch):
+    """The solver's shortcuts (issue 22's solver time): a zigzag candidate (``_place``) given the
+    bounds stops with None exactly when its whole placement's score is over 1, the fill given the
+    caps only when its whole placement is over one, and otherwise each is that placement; the
+    search keeps the full search's placements where the fitting k is not monotone (reproducers a
+    review found against an earlier, bounded search); and the solver on 1,000 documents (one of
+    them or ten cut; P = 8, 16, 64) keeps within the bounds."""
+    from ringfa4.parallel import dispatch
     from ringfa4.parallel.dispatch import _place, _split_needs, _subset_holders
 
     rnd = random.Random(5)
@@ -206,8 +209,9 @@ def test_candidates_stop_early_only_when_out_of_the_bounds():
         for c in (1.0, 2.0):
             holders = _subset_holders(_split_needs(lengths, means, TOKEN_BOUND), P, c)
             whole = _place(order, lengths, holders, P, TILE, means)
-            early = _place(order, lengths, holders, P, TILE, means, caps)
-            assert (early is None) == (not _within(whole[1], whole[2], caps)), trial
+            early = _place(order, lengths, holders, P, TILE, means, (TOKEN_BOUND, FLOP_BOUND))
+            score = max(max(whole[1]) / means[0] / TOKEN_BOUND, max(whole[2]) / means[1] / FLOP_BOUND)
+            assert (early is None) == (score > 1.0), trial  # the very test the search applies to a score
             assert early is None or early == whole, trial
             stopped, kept = stopped + (early is None), kept + (early is not None)
         full, early = fill_placement(lengths, P, TILE, means), fill_placement(lengths, P, TILE, means, caps)
@@ -215,6 +219,15 @@ def test_candidates_stop_early_only_when_out_of_the_bounds():
         if early is None:
             assert not _within(full.tokens, full.pairs, caps), trial
     assert stopped >= 10 and kept >= 10, (stopped, kept)
+    # the search visits the same candidates as without the shortcuts: packs whose fitting k (documents
+    # split P ways) is not monotone keep the placements the full search gave (at 48a2c3f, step 5 off)
+    monkeypatch.setattr(dispatch, "refine_boundaries", lambda pl, *a, **k: pl)
+    for lengths, P, tile, want in (([912, 513, 1155, 513, 2141, 2795], 3, 128, (4, 24, 18414)),
+                                   ([2719, 2057, 1801, 992, 2875, 1066, 954, 2725, 1160, 1683], 3, 128, (4, 24, 27656)),
+                                   ([2, 4, 10], 4, 1, (2, 16, 50))):
+        pl = balance_documents(tuple(lengths), P, tile)
+        assert (len(pl.split), sum(pl.n_pieces), pl.key_rows()) == want, lengths
+    monkeypatch.undo()
     for P, big in ((8, 1), (16, 10), (64, 10)):
         lengths = tuple(rnd.randint(100, 4000) for _ in range(1000 - big)) + tuple(
             rnd.randint(200_000, 2_000_000) for _ in range(big))

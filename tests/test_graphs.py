@@ -321,7 +321,8 @@ def test_a_key_first_seen_in_inference_mode_serves_training_calls():
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), _run(graphed, q, k, v, do, **kw),
                               _run(eager, q, k, v, do, **kw)):
             assert torch.equal(a, b), name
-    assert all(graphed.graphs.captured.values())
+    assert len(graphed.graphs.captured) == 2 and all(graphed.graphs.captured.values())  # the forward's
+    # key captured under inference mode is the one the training call replayed; its backward's the other
 
 
 @pytest.mark.gpu

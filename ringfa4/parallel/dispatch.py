@@ -65,16 +65,15 @@ so it runs the dense ring).
 
 Pure integer work (and float ratios), the same on every rank given the same cu_seqlens (the
 cross-rank check compares those). Its time goes into placing every whole document per candidate,
-so: a candidate stops as soon as a rank goes over a bound (loads only grow; it is out of the
-running), the spreads are tried before the k-search, which then only looks at the k whose spread
-``P x`` (the k longest) is at most the best spread found, the k-search walks up brackets of at most
-``_SCAN_UP`` instead of bisecting them (a k within the bounds costs a whole placement, one out of
-them little), and the fill stops once it cannot end within the bounds. On the 2-CPU build machine
-(P = 8): 1.2 ms for 1,000 short documents (all whole: the fill is not built), 2.5 ms for 999 of
-them beside one of 2M tokens, which must be split (``benchmarks/varlen_sim.py`` times both), 6.5 ms
-beside ten of 0.2M-2M; 10-25 ms for those at P = 64. The fill scores its last few choices of a
-rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs takes the
-longest that fits.
+so a candidate stops as soon as a rank goes over a bound (loads only grow: its score would be over
+1, the very test the search applies), and the fill stops once it cannot end within the bounds; the
+search visits the same candidates as without these shortcuts (the fitting k is not monotone, so a
+search that skips candidates changes placements). On the 2-CPU build machine (P = 8): 1.3 ms for
+1,000 short documents (all whole: the fill is not built), 2.8 ms for 999 of them beside one of 2M
+tokens, which must be split (``benchmarks/varlen_sim.py`` times both), 15 ms beside ten of 0.2M-2M
+(39 ms at P = 64), 190 ms for a log-uniform 128-2M tail at P = 64. The fill scores its last few
+choices of a rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs
+takes the longest that fits.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ __all__ = ["DocPlacement", "balance_documents", "fill_placement", "piece_bounds"
 
 TOKEN_BOUND = 1.08
 FLOP_BOUND = 1.04
-EVEN_PAIRS = 0.005  # step 5 stops once the most pairs on a rank are within this of the mean
+EVEN_PAIRS = 0.005  # step 5 stops once the most (whole-tile) work on a rank is within this of the mean
 
 
 def _piece_pairs_of(L: int, m: int, tile: int) -> list[tuple[int, int]]:
@@ -100,11 +99,11 @@ def _piece_pairs_of(L: int, m: int, tile: int) -> list[tuple[int, int]]:
 
 
 def _split_loads(split: list[tuple[int, int, int]], P: int, tile: int, means: tuple[float, float],
-                 caps: tuple[float, float]):
+                 limits: tuple[float, float] | None):
     """Documents ``split`` = [(doc, length, m)], longest first, each cut into 2m pieces: per rank
     (tokens, pairs) and per document the two pieces each rank holds. A document's pairs of pieces,
     dearest first, each go to the rank (without one of this document yet; ties: the lowest) whose
-    load it raises least. None as soon as a rank goes over ``caps`` (tokens, pairs)."""
+    load it raises least. None as soon as a rank goes over ``limits`` (token, FLOP bound: :func:`_over`)."""
     tok, fl = [0] * P, [0] * P
     pieces_of: dict[int, tuple[tuple[int, ...], ...]] = {}
     it, iff = 1.0 / means[0], 1.0 / means[1]
@@ -126,24 +125,30 @@ def _split_loads(split: list[tuple[int, int, int]], P: int, tile: int, means: tu
             held[r] = pairs[j]
             tok[r] += dt
             fl[r] += df
-            if tok[r] > caps[0] or fl[r] > caps[1]:
+            if _over(tok[r], fl[r], means, limits):
                 return None
         pieces_of[doc] = tuple(held)
     return tok, fl, pieces_of
 
 
+def _over(tok: int, fl: int, means: tuple[float, float], bounds: tuple[float, float] | None) -> bool:
+    """Whether a rank of ``tok`` tokens and ``fl`` pairs is over ``bounds`` (token, FLOP: x the
+    means), in the very form a candidate's score takes (so a candidate stops exactly when its score
+    would be over 1); never with ``bounds`` None."""
+    return bounds is not None and (tok / means[0] / bounds[0] > 1.0 or fl / means[1] / bounds[1] > 1.0)
+
+
 def _place(order, lengths, holders: dict[int, int], P: int, tile: int, means: tuple[float, float],
-           caps: tuple[float, float] | None = None):
+           bounds: tuple[float, float] | None = None):
     """Owners (-1 split), per-rank loads and split pairs with the documents of ``holders`` (doc ->
-    m >= 2, in ``order``) split over m ranks each, the rest whole. With ``caps`` (tokens, pairs per
-    rank), None as soon as a rank goes over one: the candidate is out of the bounds (loads only
-    grow), and the rest of its placement is not worked out."""
+    m >= 2, in ``order``) split over m ranks each, the rest whole. With ``bounds`` (token, FLOP),
+    None as soon as a rank goes over them: the candidate is out of the bounds (loads only grow),
+    and the rest of its placement is not worked out."""
     owner = [0] * len(lengths)
     for i in holders:
         owner[i] = -1
-    cap_tok, cap_fl = caps if caps is not None else (float("inf"), float("inf"))
     split = [(i, lengths[i], holders[i]) for i in order if i in holders]
-    loads = _split_loads(split, P, tile, means, (cap_tok, cap_fl))
+    loads = _split_loads(split, P, tile, means, bounds)
     if loads is None:
         return None
     tok, fl, pieces_of = loads
@@ -163,7 +168,7 @@ def _place(order, lengths, holders: dict[int, int], P: int, tile: int, means: tu
         owner[i] = best
         tok[best] += L
         fl[best] += c
-        if tok[best] > cap_tok or fl[best] > cap_fl:
+        if bounds is not None and _over(tok[best], fl[best], means, bounds):
             return None
     return owner, tok, fl, pieces_of
 
@@ -195,7 +200,6 @@ def _split_needs(lengths, means: tuple[float, float], token_bound: float) -> lis
 
 
 SPREADS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_SCAN_UP = 8  # the k-search walks up (instead of bisecting) brackets this narrow
 
 
 def balance_documents(doc_lengths: tuple[int, ...], world_size: int, tile: int = 1,
@@ -310,54 +314,47 @@ def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float =
         return DocPlacement((0,) * len(lengths), P, tile, (S,) + (0,) * (P - 1), (pairs,) + (0,) * (P - 1),
                             ((),) * len(lengths), ((),) * len(lengths)), True
     means = (S / P, sum(L * (L + 1) // 2 for L in lengths) / P)
-    caps = (token_bound * means[0], flop_bound * means[1])
+    bounds = (token_bound, flop_bound)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     order = [i for i in order if lengths[i] > 0] + [i for i in order if lengths[i] == 0]
     nonzero = sum(1 for L in lengths if L > 0)
-    k_min = sum(1 for L in lengths if L > caps[0])
-    seen: dict[tuple, tuple] = {}  # holders -> (placement or None: out of the bounds, spread, holders)
+    k_min = sum(1 for L in lengths if L > token_bound * means[0])
+    seen: dict[tuple, tuple] = {}  # holders -> (placement, or None: out of the bounds; spread; holders)
 
     def ok(holders: dict[int, int]) -> bool:
         key = tuple(sorted(holders.items()))
         if key not in seen:
             spread = sum(m * lengths[i] for i, m in holders.items())
-            seen[key] = (_place(order, lengths, holders, P, tile, means, caps), spread, holders)
+            seen[key] = (_place(order, lengths, holders, P, tile, means, bounds), spread, holders)
         return seen[key][0] is not None
 
     k_split = lambda k: {i: P for i in order[:k]}  # noqa: E731
-    if not (ok(k_split(k_min)) and k_min == 0):
+    if not ok(k_split(k_min)):  # the least k within the bounds: doubling, then bisection
+        lo, step, hi = k_min, 1, None  # lo fails
+        while lo + step <= nonzero:
+            if ok(k_split(lo + step)):
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
+        if hi is None and ok(k_split(nonzero)):
+            hi = nonzero
+        if hi is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if ok(k_split(mid)) else (mid, hi)
+    feasible = [v for v in seen.values() if v[0] is not None]
+    if any(v[2] for v in feasible) or not feasible:
         needs = _split_needs(lengths, means, token_bound)
         for c in SPREADS:  # split documents over fewer ranks: the first spread within the bounds
             if ok(_subset_holders(needs, P, c)):
                 break
-        # the k longest split P ways spread P x their tokens: only a k under the best spread so far can win
-        limit = min((v[1] for v in seen.values() if v[0] is not None), default=float("inf"))
-        top, spread = k_min, P * sum(lengths[i] for i in order[:k_min])
-        while top < nonzero and spread + P * lengths[order[top]] <= limit:
-            spread += P * lengths[order[top]]
-            top += 1
-        lo = k_min  # the least k within the bounds in [k_min, top]: doubling, then bisection
-        if top > lo and not ok(k_split(lo)):
-            step, hi = 1, None
-            while lo + step <= top:
-                if ok(k_split(lo + step)):
-                    hi = lo + step
-                    break
-                lo, step = lo + step, step * 2
-            if hi is None and ok(k_split(top)):
-                hi = top
-            if hi is not None:  # a k within the bounds costs a whole placement, one out of them stops early:
-                while hi - lo > _SCAN_UP:  # bisect down to a few, then walk up
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if ok(k_split(mid)) else (mid, hi)
-                hi = next((k for k in range(lo + 1, hi) if ok(k_split(k))), hi)
-    feasible = [v for v in seen.values() if v[0] is not None]
+        feasible = [v for v in seen.values() if v[0] is not None]
     if feasible:
         placed, _, holders = min(feasible, key=lambda v: (v[1], len(v[2])))
-    else:  # none within the bounds (tiny packs, tile rounding): the one closest to them
+    else:  # none within the bounds (tiny packs, tile rounding): the one closest to them, placed whole
         def score(v: tuple) -> tuple[float, int]:
             _, tok, fl, _ = _place(order, lengths, v[2], P, tile, means)
-            return max(max(tok) / caps[0], max(fl) / caps[1]), v[1]
+            return max(max(tok) / means[0] / token_bound, max(fl) / means[1] / flop_bound), v[1]
         holders = min(seen.values(), key=score)[2]
         placed = _place(order, lengths, holders, P, tile, means)
     owner, tok, fl, pieces_of = placed

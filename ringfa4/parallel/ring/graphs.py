@@ -6,7 +6,7 @@ the schedule by value (``Schedule.graph_key``: layout, sequence length and mask;
 documents the pack's cu_seqlens, layout and placement rule), the ranks, the block spec, the
 options, the backend, the transport's communicator
 (:meth:`~ringfa4.parallel.transport.Transport.graph_key`) and the shape, strides, dtype and device
-of every input, and whether autocast is on. A dense key is captured at its first call (every layer
+of every input, and the autocast dtype (None: off). A dense key is captured at its first call (every layer
 repeats it). Every pack is a new schedule, so a pack's key is captured only at its second call (the
 next layer of the same batch, or the same pack in a later batch: a trainer whose loader buckets
 documents into recurring packs, fixed evaluation batches); a pack used by one call only runs
@@ -132,7 +132,7 @@ class RingGraphs:
         flat = _flat(lists)
         key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
                run.transport.graph_key(), tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat),
-               tuple(len(lst) for lst in lists), torch.is_autocast_enabled("cuda"))
+               tuple(len(lst) for lst in lists), _autocast_state())
         device = flat[0].device
         with _on(device):
             cap = self.entry(key, run, lambda: self._capture(fn, run, lists, key))
@@ -200,10 +200,16 @@ class RingGraphs:
                     outputs = fn(run, *static)
             except Exception as exc:  # a step that cannot be captured (a host sync, an unsupported call)
                 _end_pool_allocation(lists[0][0].device, self.pool)
+                self.pool = None  # later captures in a fresh pool (a torch may leave this one marked recording)
                 self._say(f"capture failed ({type(exc).__name__}: {exc})")
                 return None
             self.key_bytes[key] = torch.cuda.memory_allocated() - before
             return _Captured(graph, _flat(static), tuple(list(o) for o in outputs), run)
+
+
+def _autocast_state() -> torch.dtype | None:
+    """CUDA autocast's dtype where it is on, else None (part of a graph's key)."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
 
 def _on(device: torch.device):
