@@ -231,6 +231,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
             shard = functools.partial(_shard, packing, dense)
             toks = [packing.rows(r) for r in range(P)]
             flops = [packing.work(r) for r in range(P)]
+            tiles = [packing.tile_work(r) for r in range(P)]
             travel = packing.max_travel_rows
             keys = key_rows(packing)
             for backward in (False, True):
@@ -257,8 +258,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
                     "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "rank_segments": [len(packing.segments(r)) for r in range(P)],
-                    "rank_tile_pairs": [packing.tile_work(r) for r in range(P)],
-                    "tile_balance": _ratio([packing.tile_work(r) for r in range(P)]),
+                    "rank_tile_pairs": tiles, "tile_balance": _ratio(tiles),
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": full_ms / (P * slowest),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),

@@ -144,6 +144,19 @@ def test_ring_sim_records_its_options(monkeypatch):
     assert got["bwd_ring"] == "q" and got["dkv_groups"] == 2 and got["fp32_grads"] is True
 
 
+def test_solver_time_rows():
+    """solver_time.py's packs are 1,000 documents each and its rows report the balance reached,
+    within the solver's bounds."""
+    import solver_time
+
+    from ringfa4.parallel.dispatch import FLOP_BOUND, TOKEN_BOUND
+
+    assert all(len(lengths) == 1000 for lengths in solver_time.packs().values())
+    rows = solver_time.rows(1, worlds=(4,))
+    assert len(rows) == 4 and all(r["ms"] > 0 for r in rows)
+    assert all(r["flops_balance"] <= FLOP_BOUND + 1e-9 and r["token_balance"] <= TOKEN_BOUND + 1e-9 for r in rows)
+
+
 def test_varlen_sim_fits_the_rank_cost():
     """varlen_sim's per-rank cost fit recovers known per-unit costs from noise-free rank times (and
     pairs alone then explain less of them), one fit a pass, balanced rows only."""

@@ -68,10 +68,10 @@ cross-rank check compares those). Its time goes into placing every whole documen
 so a candidate stops as soon as a rank goes over a bound (loads only grow: its score would be over
 1, the very test the search applies), and the fill stops once it cannot end within the bounds; the
 search visits the same candidates as without these shortcuts (the fitting k is not monotone, so a
-search that skips candidates changes placements). On the 2-CPU build machine (P = 8): 1.3 ms for
-1,000 short documents (all whole: the fill is not built), 2.8 ms for 999 of them beside one of 2M
-tokens, which must be split (``benchmarks/varlen_sim.py`` times both), 15 ms beside ten of 0.2M-2M
-(39 ms at P = 64), 190 ms for a log-uniform 128-2M tail at P = 64. The fill scores its last few
+search that skips candidates changes placements). On the 2-CPU build machine
+(``benchmarks/solver_time.py``, P = 8): 1.4 ms for 1,000 short documents (all whole: the fill is not
+built), 3.9 ms for 999 of them beside one of 2M tokens, which must be split, 12 ms beside ten of
+0.2M-2M (24 ms at P = 64), 283 ms for a log-uniform 128-2M tail at P = 64. The fill scores its last few
 choices of a rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs
 takes the longest that fits.
 """

@@ -224,8 +224,7 @@ def _end_pool_allocation(device: torch.device, pool) -> None:
     """After a failed capture: the caching allocator may still route this thread's allocations
     to the graph pool and hold back freed blocks (a capture it thinks is underway: CUDAGraph's
     capture_end raises before it ends the pool's allocation). End it; nothing if it had ended."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
-        torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)  # (device index, pool id) since torch 2.8
     if end is None:
         return
     try:
