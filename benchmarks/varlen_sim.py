@@ -10,7 +10,10 @@ exchange writes the bytes the rank receives. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
 time), so an unbalanced placement cannot score well. The one call and every rank are timed in
 interleaved rounds (``--rounds``, after one discarded; ``_common.interleaved_ms``; a round times
-each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events): each time is the median over
+each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events, the GPU idling before each
+call until the host has queued it: GPU time, as in a training step whose host runs ahead; each
+call's host enqueue time is kept beside it, ``rank_host_ms``, and ``efficiency_host_bound`` takes
+max(GPU, host) a call): each time is the median over
 the rounds, so a drift of the GPU's speed during the run moves them alike instead of
 landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
 0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
@@ -100,25 +103,50 @@ class _OneRank(LoopbackTransport):
 
 
 _FLUSH: list = []  # a 256 MiB buffer zeroed before each timed call, as triton's do_bench clears L2
+_CYCLES_PER_MS: list = []  # torch.cuda._sleep's cycles a millisecond on this GPU (measured once)
+HOST_MS: dict = {}  # fn -> per round, the median host time (ms) to enqueue one call
+
+
+def _sleep_ms(ms: float) -> None:
+    """Queue about ``ms`` of GPU idling (``torch.cuda._sleep``, calibrated on first use)."""
+    if not _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS.append(20_000_000 / start.elapsed_time(end))
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS[0]))
 
 
 def _round_ms(fn, sets, rep: float) -> float:
-    """One interleaved round's time (ms) of ``fn``: a warm call, then calls for about ``rep`` ms (at
-    least 3), each behind an L2 flush and timed by CUDA events; the median. (``do_bench`` spends 7
-    calls estimating and warming up a 400 ms call before timing one: 36 of those a pass at P = 8.)"""
+    """One interleaved round's GPU time (ms) of ``fn``: a warm call, then calls for about ``rep`` ms
+    (at least 3), each behind an L2 flush and timed by CUDA events; the median. Before each timed
+    call the GPU idles (``torch.cuda._sleep``) for twice the host's enqueue time of the warm call,
+    so the host has queued the whole call before its first kernel runs: the time is the GPU's, as
+    in a training step whose host runs ahead (the host's own cost is ``host_cost.py``'s; it is
+    recorded here per call in ``HOST_MS``). (``do_bench`` spends 7 calls estimating and warming up
+    a 400 ms call before timing one: 36 of those a pass at P = 8.)"""
     if not _FLUSH:
         _FLUSH.append(torch.empty(1 << 28, dtype=torch.int8, device="cuda"))
     call = rotating(fn, sets)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     call()
-    times = []
+    warm_host_ms = (time.perf_counter() - t) * 1e3
+    times, hosts = [], []
     while len(times) < 3 or sum(times) < rep:
         _FLUSH[0].zero_()
+        _sleep_ms(2 * warm_host_ms + 0.05)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t = time.perf_counter()
         call()
+        hosts.append((time.perf_counter() - t) * 1e3)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    HOST_MS.setdefault(fn, []).append(statistics.median(hosts))
     return statistics.median(times)
 
 
@@ -241,6 +269,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     fns[r] = rotating(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
                 timed = interleaved_ms(fns, [()], rounds=rounds, rep=rep, measure=_round_ms)
                 per_rank = [timed[r]["ms"] for r in range(P)]
+                host_rank = [statistics.median(HOST_MS[fns[r]][-rounds:]) for r in range(P)]
                 full_ms = timed["full"]["ms"]
                 per_round = [timed["full"]["rounds"][k] / (P * max(timed[r]["rounds"][k] for r in range(P)))
                              for k in range(rounds)]
@@ -255,12 +284,15 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
                     "split_docs": len(packing.split_docs()), "full_ms": full_ms, "rank_ms": per_rank,
+                    "rank_host_ms": host_rank, "full_host_ms": statistics.median(HOST_MS[fns["full"]][-rounds:]),
                     "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
                     "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "rank_segments": [len(packing.segments(r)) for r in range(P)],
                     "rank_tile_pairs": tiles, "tile_balance": _ratio(tiles),
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
-                    "efficiency": full_ms / (P * slowest),
+                    "efficiency": full_ms / (P * slowest),  # GPU time, the host ahead (as in training)
+                    "efficiency_host_bound": max(full_ms, statistics.median(HOST_MS[fns["full"]][-rounds:])) / (
+                        P * max(max(g, h) for g, h in zip(per_rank, host_rank, strict=True))),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
                     "token_balance": _ratio(toks), "rows_per_hop": travel, "key_rows": keys, "pieces": pieces(packing),
                     "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {}))
@@ -329,13 +361,14 @@ def main() -> None:
           f"h={H}/{HK}, d={D}, bf16, causal); solver {solver:.2f} ms for 1,000 documents, "
           f"{solver_split:.2f} with one of them split")
     print("| mix | P | mode (K/V) | pass | split / docs | one call ms | slowest rank ms | efficiency | "
-          "mean rank ms | FLOPs max/mean | tokens max/mean | MiB a hop | key rows / S | pieces |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "mean rank ms | rank host ms max | FLOPs max/mean | tokens max/mean | MiB a hop | key rows / S | pieces |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         total = sum(mix_lengths(r["mix"]))
         print(f"| {r['mix']} | {r['P']} | {r['mode']} ({r['travel']}) | {r['pass']} | {r['split_docs']} / "
               f"{r['docs']} | {r['full_ms']:.2f} | {r['slowest_rank_ms']:.3f} | {r['efficiency']:.3f} | "
-              f"{r['mean_rank_ms']:.3f} | {r['flops_balance']:.3f} | {r['token_balance']:.3f} | "
+              f"{r['mean_rank_ms']:.3f} | {max(r['rank_host_ms']):.3f} | {r['flops_balance']:.3f} | "
+              f"{r['token_balance']:.3f} | "
               f"{r['mib_per_hop']:.1f} | {r['key_rows'] / total:.2f} | {r['pieces']} |")
     print("\nEach balanced rank's time fitted to its features (us per unit; R^2 of the fit, and of pairs alone):")
     for fit in fit_rank_cost(rows):
