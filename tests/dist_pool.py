@@ -1,4 +1,5 @@
-"""A pool of spawned gloo ranks that run named jobs from tests/dist_jobs.py, reused across cases.
+"""A pool of spawned gloo ranks that run named jobs from tests/dist_jobs.py and dist_fault_jobs.py, reused
+across cases.
 Every wait has a timeout, so a hang fails the test instead of stalling the suite."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _worker(rank, world, port, jobs, results, pg_timeout_s):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
+    import dist_fault_jobs
     import dist_jobs
 
     while True:
@@ -38,7 +40,7 @@ def _worker(rank, world, port, jobs, results, pg_timeout_s):
             break
         name, args = job
         try:
-            results.put((rank, "ok", getattr(dist_jobs, name)(*args)))
+            results.put((rank, "ok", getattr(dist_jobs if hasattr(dist_jobs, name) else dist_fault_jobs, name)(*args)))
         except BaseException as exc:  # report every failure to the parent
             results.put((rank, type(exc).__name__, str(exc)))
     dist.destroy_process_group()
@@ -57,8 +59,8 @@ class Pool:
             p.start()
 
     def run(self, name: str, *args, timeout: float = 180.0) -> list[tuple[str, object]]:
-        """Run ``dist_jobs.<name>(*args)`` on every rank: ``[(status, value)]`` in rank order, where
-        status is "ok" or the exception's type name (value: its message)."""
+        """Run ``dist_jobs.<name>(*args)`` (or ``dist_fault_jobs``'s) on every rank: ``[(status, value)]``
+        in rank order, where status is "ok" or the exception's type name (value: its message)."""
         for q in self.jobs:
             q.put((name, args))
         out: dict[int, tuple[str, object]] = {}

@@ -16,7 +16,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
-    import dist_jobs
+    import dist_fault_jobs
 
-    dist_jobs.packed_exit_sequence(seed, mode)
+    dist_fault_jobs.packed_exit_sequence(seed, mode)
     dist.destroy_process_group()

@@ -127,7 +127,7 @@ def test_a_captured_wait_is_only_stream_ordered_and_a_replay_is_watched(monkeypa
     stream (CUDA events stood in for here)."""
     import datetime
 
-    from dist_jobs import _NeverDone
+    from dist_fault_jobs import _NeverDone
 
     from ringfa4.parallel.transport import P2PTransport, _Replayed
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from dist_jobs import _NeverDone
+from dist_fault_jobs import _NeverDone
 from dist_pool import Pool
 
 from ringfa4.parallel.watch import StreamWatch
