@@ -97,9 +97,9 @@ class RingGraphs:
         self.dense: OrderedDict[tuple, list[tuple]] = OrderedDict()  # a dense schedule's key: its keys
 
     def memory_bytes(self) -> int:
-        """Device memory the kept captures took (static inputs, the graphs' outputs and pool
-        allocations); an evicted schedule's share leaves it (its pool blocks stay reserved in the
-        shared pool for later captures)."""
+        """Device memory the kept captures took, in the sizes requested (static inputs, the graphs'
+        outputs and pool allocations); an evicted schedule's share leaves it (its pool blocks stay
+        reserved in the shared pool for later captures)."""
         return sum(self.key_bytes.values())
 
     def _say(self, reason: str) -> None:
