@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 
 import torch
 
@@ -69,6 +71,100 @@ def interleaved_ms(fns: dict, sets, rounds: int = 5, rep: int = 200, measure=Non
                 out[name]["rounds"].append(t)
     for v in out.values():
         v["ms"] = statistics.median(v["rounds"])
+    return out
+
+
+class CudaOps:
+    """What :func:`sustained_ms` does on the GPU: queue heavy work (bf16 GEMMs of 8192^3, calibrated
+    once), flush L2 (zero 256 MiB, as triton's do_bench), time by CUDA events, wait."""
+
+    def __init__(self) -> None:
+        self.flush_buf = torch.empty(1 << 28, dtype=torch.int8, device="cuda")
+        self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        for _ in range(3):
+            torch.mm(self.a, self.a, out=self.c)
+        start, end = self.event(), self.event()
+        start.record()
+        for _ in range(10):
+            torch.mm(self.a, self.a, out=self.c)
+        end.record()
+        end.synchronize()
+        self.gemm_ms = start.elapsed_time(end) / 10
+
+    def busy(self, ms: float) -> None:
+        for _ in range(max(1, math.ceil(ms / self.gemm_ms))):
+            torch.mm(self.a, self.a, out=self.c)
+
+    def flush(self) -> None:
+        self.flush_buf.zero_()
+
+    @staticmethod
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    @staticmethod
+    def elapsed_ms(start, end) -> float:
+        return start.elapsed_time(end)
+
+    @staticmethod
+    def sync() -> None:
+        torch.cuda.synchronize()
+
+
+def sustained_ms(fns: dict, rounds: int = 3, reps: int = 3, preload_ms: float = 50.0, discard: int = 1,
+                 ops=None) -> dict:
+    """GPU times (ms) of several no-argument calls, each timed while the GPU is already under load,
+    as in a training step: a batch queues heavy GEMMs for at least ``preload_ms`` and twice the
+    host's time to enqueue the batch's calls (so the host is ahead and the clocks are the loaded
+    ones), then every call back to back, each behind an L2 flush, between CUDA events; ``reps``
+    batches a round, ``rounds`` rounds after ``discard`` thrown away, the order reversed every other
+    round and rotated every batch (no call always first). Timing each call alone after an idle GPU
+    lets a short call run at the clocks of a cool GPU while a long one settles lower: the ranks of a
+    simulated ring (tens of ms) against one call over the whole sequence (hundreds). Returns
+    ``{name: {"ms": median over rounds, "rounds": [per-round median over its batches], "host_ms":
+    median host enqueue time}}`` and, under ``"_exposed"``, the batches whose host took longer than
+    their preload (the GPU may have waited there). ``ops``: :class:`CudaOps` unless given."""
+    ops = ops or CudaOps()
+    names = list(fns)
+    out: dict = {name: {"rounds": [], "host": []} for name in names}
+    exposed = []
+    for name in names:  # compiles and lazy set-up outside the batches (their host time sizes the preload)
+        fns[name]()
+    ops.sync()
+    host_total = 0.0
+    for k in range(discard + rounds):
+        per: dict = {name: [] for name in names}
+        for b in range(reps):
+            order = list(reversed(names)) if k % 2 else list(names)
+            order = order[b % len(order):] + order[:b % len(order)]
+            load = min(max(preload_ms, 2 * host_total), 5000.0)
+            ops.busy(load)
+            marks, host_total = [], 0.0
+            for name in order:
+                ops.flush()
+                start, end = ops.event(), ops.event()
+                start.record()
+                t = time.perf_counter()
+                fns[name]()
+                host = (time.perf_counter() - t) * 1e3
+                end.record()
+                host_total += host
+                marks.append((name, start, end, host))
+            ops.sync()
+            if host_total > load:
+                exposed.append(host_total / load)
+            for name, start, end, host in marks:
+                per[name].append(ops.elapsed_ms(start, end))
+                if k >= discard:
+                    out[name]["host"].append(host)
+        if k >= discard:
+            for name in names:
+                out[name]["rounds"].append(statistics.median(per[name]))
+    for v in out.values():
+        v["ms"] = statistics.median(v["rounds"])
+        v["host_ms"] = statistics.median(v.pop("host"))
+    out["_exposed"] = exposed
     return out
 
 

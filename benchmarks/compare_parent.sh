@@ -43,8 +43,10 @@ host() {  # the parent's library under this tree's host_cost.py (its flags), so 
 packed() {  # each tree's own varlen_sim.py (its one-rank transport speaks that library's transport API)
   local tag=$1 tree=$2 mixes=$3
   echo "== varlen_sim $tag"
+  local rep=100  # ms of do_bench a call (trees before the sustained batches), or batches a round (since)
+  grep -q "batches a round" "$tree/benchmarks/varlen_sim.py" && rep=3
   env PYTHONPATH="$tree:$extra" timeout 280 python3 "$tree/benchmarks/varlen_sim.py" --mixes "$mixes" --worlds 8,4 \
-     --modes balanced --rep 100 --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
+     --modes balanced --rep "$rep" --out "$out/varlen_sim_$tag.json" 2>&1 | grep "^|"
 }
 case "$what" in
   sim) if [ $# -gt 0 ]; then sim "parent_$(echo "$*" | tr ' =' '__')" "$base" "$@"

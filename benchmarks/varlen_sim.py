@@ -8,15 +8,19 @@ dense ring, as ``ringfa4.attention`` runs it, travel ``dense``), whose hops copy
 buffers (the bytes a real rank receives; their contents are its own, stale: timing only) and whose
 exchange writes the bytes the rank receives. efficiency = t(one
 ``flash_attn_varlen_func``-equivalent FA4 call over the whole pack) / (P x the slowest rank's
-time), so an unbalanced placement cannot score well. The one call and every rank are timed in
-interleaved rounds (``--rounds``, after one discarded; ``_common.interleaved_ms``; a round times
-each at least 3 calls and ``--rep`` ms behind L2 flushes, CUDA events, the GPU idling before each
-call until the host has queued it: GPU time, as in a training step whose host runs ahead; each
-call's host enqueue time is kept beside it, ``rank_host_ms``, and ``efficiency_host_bound`` takes
-max(GPU, host) a call): each time is the median over
-the rounds, so a drift of the GPU's speed during the run moves them alike instead of
-landing on whichever rank was timed last (timed one after the other, the slowest of 8 ranks read
-0.85-0.92 of efficiency over four calls of one tree); ``efficiency_by_round`` keeps each round's.
+time), so an unbalanced placement cannot score well. The one call and every rank are timed by
+``_common.sustained_ms``: in batches that first queue heavy GEMMs (at least 50 ms, and twice the
+host's time to enqueue the batch: the host is ahead and the GPU's clocks are those of a loaded GPU,
+as in a training step), then run every call back to back, each behind an L2 flush, between CUDA
+events; ``--rep`` batches a round, ``--rounds`` rounds after one discarded, the order rotated every
+batch and reversed every other round; each time is the median over the rounds (a drift of the GPU's
+speed moves them alike). Timed alone after an idle GPU (session 22's first method), a rank's call
+of tens of ms may run at a cool GPU's clocks while the one call over the pack (hundreds of ms)
+settles lower, which would favour the ranks (suspected: one 64k document read 1.004 that way against
+``ring_sim.py``'s 0.873, whose ring calls run 220 ms back to back, and the full calls agreed). Each
+call's host enqueue time is kept beside its GPU time (``rank_host_ms``; ``efficiency_host_bound``
+takes max(GPU, host) a call).
+``efficiency_by_round`` keeps each round's.
 Also: each rank's time beside its tokens, causal pairs (exact, and in whole tiles: what its kernels
 compute), key rows and segments (``rank_ms``, ``rank_tokens``, ``rank_pairs``, ``rank_tile_pairs``,
 ``rank_key_rows``, ``rank_segments``; ``tile_balance``), and their least-squares fit
@@ -51,7 +55,7 @@ import statistics
 import time
 
 import torch
-from _common import interleaved_ms, rotating
+from _common import rotating, sustained_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -102,56 +106,7 @@ class _OneRank(LoopbackTransport):
         return Pending()
 
 
-_FLUSH: list = []  # a 256 MiB buffer zeroed before each timed call, as triton's do_bench clears L2
-_CYCLES_PER_MS: list = []  # torch.cuda._sleep's cycles a millisecond on this GPU (measured once)
-HOST_MS: dict = {}  # fn -> per round, the median host time (ms) to enqueue one call
-EXPOSED: list = []  # timed calls whose host took longer than the GPU idle queued before them
-
-
-def _sleep_ms(ms: float) -> None:
-    """Queue about ``ms`` of GPU idling (``torch.cuda._sleep``, calibrated on first use)."""
-    if not _CYCLES_PER_MS:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(20_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_MS.append(20_000_000 / start.elapsed_time(end))
-    torch.cuda._sleep(int(ms * _CYCLES_PER_MS[0]))
-
-
-def _round_ms(fn, sets, rep: float) -> float:
-    """One interleaved round's GPU time (ms) of ``fn``: a warm call, then calls for about ``rep`` ms
-    (at least 3), each behind an L2 flush and timed by CUDA events; the median. Before each timed
-    call the GPU idles (``torch.cuda._sleep``) for twice the host's enqueue time of the warm call,
-    so the host has queued the whole call before its first kernel runs: the time is the GPU's, as
-    in a training step whose host runs ahead (the host's own cost is ``host_cost.py``'s; it is
-    recorded here per call in ``HOST_MS``). (``do_bench`` spends 7 calls estimating and warming up
-    a 400 ms call before timing one: 36 of those a pass at P = 8.)"""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(1 << 28, dtype=torch.int8, device="cuda"))
-    call = rotating(fn, sets)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    call()
-    warm_host_ms = (time.perf_counter() - t) * 1e3
-    times, hosts = [], []
-    idle_ms = 2 * warm_host_ms + 0.05
-    while len(times) < 3 or sum(times) < rep:
-        _FLUSH[0].zero_()
-        _sleep_ms(idle_ms)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        call()
-        hosts.append((time.perf_counter() - t) * 1e3)
-        if hosts[-1] > idle_ms:  # the GPU may have waited for the host: said at the end of the run
-            EXPOSED.append(hosts[-1] / idle_ms)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    HOST_MS.setdefault(fn, []).append(statistics.median(hosts))
-    return statistics.median(times)
+EXPOSED: list = []  # batches whose host outlasted the GPU load queued before them (host / load)
 
 
 def _rank_step(run, fwd, bwd, backward: bool):
@@ -271,9 +226,10 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                 for r in range(P):
                     run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P))
                     fns[r] = rotating(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
-                timed = interleaved_ms(fns, [()], rounds=rounds, rep=rep, measure=_round_ms)
+                timed = sustained_ms(fns, rounds=rounds, reps=rep)
+                EXPOSED.extend(timed["_exposed"])
                 per_rank = [timed[r]["ms"] for r in range(P)]
-                host_rank = [statistics.median(HOST_MS[fns[r]][-rounds:]) for r in range(P)]
+                host_rank = [timed[r]["host_ms"] for r in range(P)]
                 full_ms = timed["full"]["ms"]
                 per_round = [timed["full"]["rounds"][k] / (P * max(timed[r]["rounds"][k] for r in range(P)))
                              for k in range(rounds)]
@@ -288,14 +244,14 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
                     "split_docs": len(packing.split_docs()), "full_ms": full_ms, "rank_ms": per_rank,
-                    "rank_host_ms": host_rank, "full_host_ms": statistics.median(HOST_MS[fns["full"]][-rounds:]),
+                    "rank_host_ms": host_rank, "full_host_ms": timed["full"]["host_ms"],
                     "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
                     "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "rank_segments": [len(packing.segments(r)) for r in range(P)],
                     "rank_tile_pairs": tiles, "tile_balance": _ratio(tiles),
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
-                    "efficiency": full_ms / (P * slowest),  # GPU time, the host ahead (as in training)
-                    "efficiency_host_bound": max(full_ms, statistics.median(HOST_MS[fns["full"]][-rounds:])) / (
+                    "efficiency": full_ms / (P * slowest),  # GPU time under load, the host ahead (as in training)
+                    "efficiency_host_bound": max(full_ms, timed["full"]["host_ms"]) / (
                         P * max(max(g, h) for g, h in zip(per_rank, host_rank, strict=True))),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
                     "token_balance": _ratio(toks), "rows_per_hop": travel, "key_rows": keys, "pieces": pieces(packing),
@@ -344,7 +300,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--modes", default="balanced,ring,allgather",
                     help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel")
-    ap.add_argument("--rep", type=int, default=50, help="ms of timed calls a function and round (at least 3 calls)")
+    ap.add_argument("--rep", type=int, default=3, help="batches a round (each times every call once)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (after one discarded)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
     ap.add_argument("--out", default="benchmarks/results/varlen_sim.json")
@@ -388,7 +344,7 @@ def main() -> None:
             print(f"| {r['mix']} | {r['P']} | {r['mode']} | {r['pass']} | {r['full_ms'] / r['P']:.3f} | "
                   f"{p['wall_ms']:.3f} | {p['busy_share']:.2f} | {grp} |")
     if EXPOSED:
-        print(f"\n{len(EXPOSED)} timed calls took the host longer than the GPU idle queued before them (up to "
+        print(f"\n{len(EXPOSED)} batches took the host longer than the GPU load queued before them (up to "
               f"{max(EXPOSED):.2f}x): the GPU may have waited for the host there")
     assert all(math.isfinite(r["efficiency"]) for r in rows)
 

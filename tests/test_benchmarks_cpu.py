@@ -317,3 +317,63 @@ def test_host_cost_times_the_ring_backward_where_it_runs():
     assert len(inside.us) == 2 and all(t > 0 for t in inside.us)
     assert any("ring_backward" in r["function"] for r in inside.top()["cum"])
     assert _RingAttention.backward is orig
+
+
+def test_sustained_batches_rotate_discard_and_flag_a_host_behind():
+    """sustained_ms: every batch preloads the GPU (at least preload_ms, then twice the last batch's
+    host time), runs each call once behind a flush, rotated every batch and reversed every other
+    round; the first round is thrown away; per call the median over rounds of per-round medians;
+    a batch whose host outlasted its preload is flagged."""
+    import time
+
+    from _common import sustained_ms
+
+    class FakeOps:
+        def __init__(self):
+            self.log, self.clock = [], 0.0
+
+        def busy(self, ms):
+            self.log.append(("busy", ms))
+
+        def flush(self):
+            self.log.append(("flush",))
+
+        def event(self):
+            ops = self
+
+            class Ev:
+                def record(self):
+                    self.t = ops.clock
+            return Ev()
+
+        @staticmethod
+        def elapsed_ms(start, end):
+            return end.t - start.t
+
+        def sync(self):
+            self.log.append(("sync",))
+
+    ops = FakeOps()
+    order = []
+
+    def make(name, gpu_ms, host_s=0.0):
+        def fn():
+            order.append(name)
+            ops.clock += gpu_ms
+            if host_s:
+                time.sleep(host_s)
+        return fn
+
+    fns = {"a": make("a", 2.0), "b": make("b", 1.0), "c": make("c", 3.0, host_s=0.003)}
+    out = sustained_ms(fns, rounds=2, reps=3, preload_ms=0.001, discard=1, ops=ops)
+    warm, batches = order[:3], [order[3 + 3 * i: 6 + 3 * i] for i in range(9)]
+    assert warm == ["a", "b", "c"]
+    assert batches[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]  # round 0 (thrown away)
+    assert batches[3:6] == [["c", "b", "a"], ["b", "a", "c"], ["a", "c", "b"]]  # round 1: reversed, rotated
+    assert batches[6:] == batches[:3]
+    assert out["a"]["ms"] == 2.0 and out["b"]["ms"] == 1.0 and out["c"]["ms"] == 3.0
+    assert out["a"]["rounds"] == [2.0, 2.0] and out["c"]["host_ms"] >= 3.0
+    loads = [x[1] for x in ops.log if x[0] == "busy"]
+    assert len(loads) == 9 and loads[0] == 0.001 and all(load >= 6.0 for load in loads[1:])  # 2 x >= 3 ms of host
+    assert len(out["_exposed"]) >= 1  # the first batch: 3 ms of host behind a 0.001 ms preload
+    assert sum(1 for x in ops.log if x[0] == "flush") == 27
