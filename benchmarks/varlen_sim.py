@@ -34,7 +34,8 @@ Mixes: uniform 1k-16k documents at 64k and 256k tokens, many short ones (512-4k)
 tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128, bf16, causal.
 
     python benchmarks/varlen_sim.py [--mixes uniform_64k,...] [--worlds 4,8] [--modes balanced,ring,allgather]
-        (balanced/ring, balanced/allgather: the placement with its travel forced)
+        (balanced/ring, balanced/allgather: the placement with its travel forced; unrefined: balanced
+        without the solver's step 5)
         [--profile] [--out benchmarks/results/varlen_sim.json]
 
 ``--profile`` adds, per row, torch.profiler over the slowest rank's step: wall ms, GPU kernel ms by
@@ -45,6 +46,7 @@ time / wall; well under 1 means the host or launch gaps bound the rank) and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -59,7 +61,7 @@ from _common import rotating, sustained_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
-from ringfa4.parallel import LoopbackTransport
+from ringfa4.parallel import LoopbackTransport, dispatch
 from ringfa4.parallel.allgather import allgather_backward, allgather_forward
 from ringfa4.parallel.dispatch import balance_documents
 from ringfa4.parallel.ring import ring_backward, ring_forward
@@ -181,6 +183,18 @@ def pieces(packing) -> int:
     return sum(1 for r in range(packing.world_size) for s in packing.segments(r) if s.travels)
 
 
+@contextlib.contextmanager
+def without_step5():
+    """The solver without its last step (``dispatch.refine_boundaries``: the placement the whole-piece
+    steps leave): mode ``unrefined``, to measure what step 5 buys in the same run."""
+    refine = dispatch.refine_boundaries
+    dispatch.refine_boundaries = lambda placement, *args, **kwargs: placement
+    try:
+        yield
+    finally:
+        dispatch.refine_boundaries = refine
+
+
 def travel_kind(dense: bool, allgather: bool) -> str:
     return "dense" if dense else "allgather" if allgather else "ring"
 
@@ -207,7 +221,8 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
         cp = ringfa4.ContextParallel.simulated(P, backend=be)
         for mode in modes:
             pack_mode, _, forced = mode.partition("/")  # "balanced/ring": the placement, its K/V forced to travel so
-            pack = cp.pack(cu, pack_mode)
+            with without_step5() if pack_mode == "unrefined" else contextlib.nullcontext():
+                pack = cp.pack(cu, "balanced" if pack_mode == "unrefined" else pack_mode)
             packing = pack.packing
             allgather = forced == "allgather" if forced else pack.uses_allgather(H, HK)
             dense = pack.is_one_dense_sequence()  # the API runs it on the dense ring: so is it timed
@@ -299,7 +314,8 @@ def main() -> None:
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--modes", default="balanced,ring,allgather",
-                    help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel")
+                    help="cp.pack modes; MODE/ring or MODE/allgather forces how the split documents' K/V travel; "
+                         "unrefined: balanced without the solver's step 5 (refine_boundaries)")
     ap.add_argument("--rep", type=int, default=3, help="batches a round (each times every call once)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (after one discarded)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")

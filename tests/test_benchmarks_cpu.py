@@ -377,3 +377,25 @@ def test_sustained_batches_rotate_discard_and_flag_a_host_behind():
     assert len(loads) == 9 and loads[0] == 0.001 and all(load >= 6.0 for load in loads[1:])  # 2 x >= 3 ms of host
     assert len(out["_exposed"]) >= 1  # the first batch: 3 ms of host behind a 0.001 ms preload
     assert sum(1 for x in ops.log if x[0] == "flush") == 27
+
+
+def test_varlen_sim_unrefined_mode_is_the_placement_before_step5():
+    """varlen_sim's ``unrefined`` mode packs without the solver's step 5 and restores it after: the
+    64k pack at P = 8 (tile 128) is 1.028 max/mean in whole-tile work without it, 1.006 with it."""
+    import torch
+    import varlen_sim
+    from _null_backend import NullBackend
+
+    import ringfa4
+    from ringfa4.parallel import dispatch
+
+    lengths = varlen_sim.mix_lengths("uniform_64k")
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    cp = ringfa4.ContextParallel.simulated(8, backend=NullBackend())
+    refine = dispatch.refine_boundaries
+    with varlen_sim.without_step5():
+        raw = cp.pack(cu, "balanced").packing
+    assert dispatch.refine_boundaries is refine
+    done = cp.pack(cu, "balanced").packing
+    tiles = [varlen_sim._ratio([p.tile_work(r) for r in range(8)]) for p in (raw, done)]
+    assert round(tiles[0], 3) == 1.028 and round(tiles[1], 3) == 1.006
