@@ -329,7 +329,8 @@ def main() -> None:
     for name in args.mixes.split(","):  # saved after every mix: a run cut short keeps what it measured
         rows += bench_mix(name, worlds, args.modes.split(","), be, args.rep, args.profile, args.rounds)
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D,
+            json.dump({"device": torch.cuda.get_device_name(), "method": "sustained_batches", "heads": H,
+                       "kv_heads": HK, "head_dim": D,
                        "backend": be.name, "solver_ms_1000_docs": solver,
                        "solver_ms_1000_docs_one_split": solver_split, "rank_cost_fit": fit_rank_cost(rows),
                        "rows": rows}, f, indent=1)
