@@ -113,58 +113,60 @@ class CudaOps:
 
 
 def sustained_ms(fns: dict, rounds: int = 3, reps: int = 3, preload_ms: float = 50.0, discard: int = 1,
-                 ops=None) -> dict:
+                 ops=None, max_preload_ms: float = 1000.0) -> dict:
     """GPU times (ms) of several no-argument calls, each timed while the GPU is already under load,
     as in a training step: a batch queues heavy GEMMs for at least ``preload_ms`` and twice the
-    host's time to enqueue the batch's calls (so the host is ahead and the clocks are the loaded
-    ones), then every call back to back, each behind an L2 flush, between CUDA events; ``reps``
-    batches a round, ``rounds`` rounds after ``discard`` thrown away, the order reversed every other
-    round and rotated every batch (no call always first). Timing each call alone after an idle GPU
-    lets a short call run at the clocks of a cool GPU while a long one settles lower: the ranks of a
-    simulated ring (tens of ms) against one call over the whole sequence (hundreds). Returns
-    ``{name: {"ms": median over rounds, "rounds": [per-round median over its batches], "host_ms":
-    median host enqueue time}}`` and, under ``"_exposed"``, the batches whose host took longer than
-    their preload (the GPU may have waited there). ``ops``: :class:`CudaOps` unless given."""
+    host's time to enqueue all the calls (so the host is ahead and the clocks are the loaded ones),
+    then every call back to back, each behind an L2 flush, between CUDA events; ``reps`` batches a
+    round, ``rounds`` rounds after ``discard`` thrown away, the order reversed every other round and
+    rotated every batch (no call always first). Timed alone after an idle GPU, a short call can run
+    at a cool GPU's clocks while a long one settles lower (the ranks of a simulated ring, tens of ms,
+    against one call over the whole sequence, hundreds). The host's time to enqueue each call is
+    taken apart, once compiled: the median of 3 calls each started on an idle GPU (inside a batch the
+    host may wait for a full launch queue, which is no host time of the call's). Returns ``{name:
+    {"ms": median over rounds, "rounds": [per-round median over its batches], "host_ms": ...}}`` and
+    ``"_exposed"``: the host's time for a batch over its preload where ``max_preload_ms`` capped it
+    (the GPU may have waited there), else None. ``ops``: :class:`CudaOps` unless given."""
     ops = ops or CudaOps()
     names = list(fns)
-    out: dict = {name: {"rounds": [], "host": []} for name in names}
-    exposed = []
-    for name in names:  # compiles and lazy set-up outside the batches (their host time sizes the preload)
+    for name in names:  # compiles and lazy set-up, outside everything timed
         fns[name]()
+    host = {}
+    for name in names:
+        times = []
+        for _ in range(3):
+            ops.sync()
+            t = time.perf_counter()
+            fns[name]()
+            times.append((time.perf_counter() - t) * 1e3)
+        host[name] = statistics.median(times)
     ops.sync()
-    host_total = 0.0
+    need = sum(host.values())
+    load = min(max(preload_ms, 2 * need), max_preload_ms)
+    out: dict = {name: {"rounds": [], "host_ms": host[name]} for name in names}
     for k in range(discard + rounds):
         per: dict = {name: [] for name in names}
         for b in range(reps):
             order = list(reversed(names)) if k % 2 else list(names)
             order = order[b % len(order):] + order[:b % len(order)]
-            load = min(max(preload_ms, 2 * host_total), 1000.0)  # a call that syncs the host would escalate it
             ops.busy(load)
-            marks, host_total = [], 0.0
+            marks = []
             for name in order:
                 ops.flush()
                 start, end = ops.event(), ops.event()
                 start.record()
-                t = time.perf_counter()
                 fns[name]()
-                host = (time.perf_counter() - t) * 1e3
                 end.record()
-                host_total += host
-                marks.append((name, start, end, host))
+                marks.append((name, start, end))
             ops.sync()
-            if host_total > load:
-                exposed.append(host_total / load)
-            for name, start, end, host in marks:
+            for name, start, end in marks:
                 per[name].append(ops.elapsed_ms(start, end))
-                if k >= discard:
-                    out[name]["host"].append(host)
         if k >= discard:
             for name in names:
                 out[name]["rounds"].append(statistics.median(per[name]))
     for v in out.values():
         v["ms"] = statistics.median(v["rounds"])
-        v["host_ms"] = statistics.median(v.pop("host"))
-    out["_exposed"] = exposed
+    out["_exposed"] = need / load if need > load else None
     return out
 
 

@@ -320,10 +320,11 @@ def test_host_cost_times_the_ring_backward_where_it_runs():
 
 
 def test_sustained_batches_rotate_discard_and_flag_a_host_behind():
-    """sustained_ms: every batch preloads the GPU (at least preload_ms, then twice the last batch's
-    host time), runs each call once behind a flush, rotated every batch and reversed every other
-    round; the first round is thrown away; per call the median over rounds of per-round medians;
-    a batch whose host outlasted its preload is flagged."""
+    """sustained_ms: each call once compiled, then its host time from 3 calls on an idle GPU; every
+    batch preloads the GPU for at least preload_ms and twice the calls' host time, runs each call
+    once behind a flush, rotated every batch and reversed every other round; the first round is
+    thrown away; per call the median over rounds of per-round medians. With the preload capped
+    under the host's time, the result says so."""
     import time
 
     from _common import sustained_ms
@@ -353,30 +354,35 @@ def test_sustained_batches_rotate_discard_and_flag_a_host_behind():
         def sync(self):
             self.log.append(("sync",))
 
-    ops = FakeOps()
-    order = []
+    def run(cap):
+        ops, order = FakeOps(), []
 
-    def make(name, gpu_ms, host_s=0.0):
-        def fn():
-            order.append(name)
-            ops.clock += gpu_ms
-            if host_s:
-                time.sleep(host_s)
-        return fn
+        def make(name, gpu_ms, host_s=0.0):
+            def fn():
+                order.append(name)
+                ops.clock += gpu_ms
+                if host_s:
+                    time.sleep(host_s)
+            return fn
 
-    fns = {"a": make("a", 2.0), "b": make("b", 1.0), "c": make("c", 3.0, host_s=0.003)}
-    out = sustained_ms(fns, rounds=2, reps=3, preload_ms=0.001, discard=1, ops=ops)
-    warm, batches = order[:3], [order[3 + 3 * i: 6 + 3 * i] for i in range(9)]
-    assert warm == ["a", "b", "c"]
+        fns = {"a": make("a", 2.0), "b": make("b", 1.0), "c": make("c", 3.0, host_s=0.003)}
+        return ops, order, sustained_ms(fns, rounds=2, reps=3, preload_ms=0.001, discard=1, ops=ops,
+                                        max_preload_ms=cap)
+
+    ops, order, out = run(1000.0)
+    assert order[:3] == ["a", "b", "c"] and order[3:12] == ["a"] * 3 + ["b"] * 3 + ["c"] * 3  # warm, host
+    batches = [order[12 + 3 * i: 15 + 3 * i] for i in range(9)]
     assert batches[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]  # round 0 (thrown away)
     assert batches[3:6] == [["c", "b", "a"], ["b", "a", "c"], ["a", "c", "b"]]  # round 1: reversed, rotated
     assert batches[6:] == batches[:3]
     assert out["a"]["ms"] == 2.0 and out["b"]["ms"] == 1.0 and out["c"]["ms"] == 3.0
-    assert out["a"]["rounds"] == [2.0, 2.0] and out["c"]["host_ms"] >= 3.0
+    assert out["a"]["rounds"] == [2.0, 2.0] and out["c"]["host_ms"] >= 3.0 > out["a"]["host_ms"]
     loads = [x[1] for x in ops.log if x[0] == "busy"]
-    assert len(loads) == 9 and loads[0] == 0.001 and all(load >= 6.0 for load in loads[1:])  # 2 x >= 3 ms of host
-    assert len(out["_exposed"]) >= 1  # the first batch: 3 ms of host behind a 0.001 ms preload
+    assert len(loads) == 9 and len(set(loads)) == 1 and loads[0] >= 6.0  # twice >= 3 ms of host
+    assert out["_exposed"] is None
     assert sum(1 for x in ops.log if x[0] == "flush") == 27
+    _, _, capped = run(1.0)
+    assert capped["_exposed"] >= 3.0  # >= 3 ms of host behind a 1 ms preload
 
 
 def test_varlen_sim_unrefined_mode_is_the_placement_before_step5():
