@@ -105,10 +105,15 @@ def profile_top(fn, cycles: int, n: int = 50) -> dict:
     torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
     prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    # a second call for the backward's own profile: one profiler at a time (Python 3.12's cProfile is
+    # process-wide, so the main thread's and the autograd thread's cannot both be on)
+    torch.cuda._sleep(cycles)
     with InsideBackward(profile=True) as inside:
-        prof.enable()
         fn()
-        prof.disable()
     torch.cuda.synchronize()
     return {**_top(prof, n), "inside_backward": inside.top(n) if inside.us else None}
 
