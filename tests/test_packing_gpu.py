@@ -139,3 +139,35 @@ def test_packed_ring_makes_no_host_sync(mode):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["balanced", "ring"])
+def test_new_pack_makes_no_host_sync(mode):
+    """A pack that is new this batch (host cu_seqlens, as a collator gives them): sharding its
+    inputs, its positions and its first forward + backward run under
+    ``torch.cuda.set_sync_debug_mode("error")`` once kernels of its shapes' kind are compiled:
+    indices and cu_seqlens go to the GPU from pinned memory, without the host waiting for the
+    queue (``kernels/host_copy.py``)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    cp = ringfa4.ContextParallel.simulated(4)
+
+    def step(lengths, check: bool):
+        cu = random_cu_seqlens(lengths)  # on the host
+        full = [torch.randn(sum(lengths), n, 128, generator=g).to("cuda", torch.bfloat16) for n in (8, 2, 2, 8)]
+        torch.cuda.synchronize()
+        if check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pack = cp.pack(cu, mode)
+            q, k, v, do = (pack.shard(t).requires_grad_(i < 3) for i, t in enumerate(full))
+            pack.positions("cuda")
+            ringfa4.attention(q, k, v, cp=cp, packing=pack, causal=True).backward(do)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        return q.grad
+
+    for lengths in ([700, 1500, 5, 3000], [2100, 900, 4000], [1, 2, 6000, 33]):
+        step(lengths, check=False)  # compiles
+    dq = step([1200, 3, 4100, 2500, 77], check=True)
+    assert dq is not None and torch.isfinite(dq).all()

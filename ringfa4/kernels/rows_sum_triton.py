@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from .host_copy import to_device
+
 __all__ = ["RowSums", "sum_rows_", "sum_rows_triton_"]
 
 
@@ -37,7 +39,7 @@ class RowSums:
         pinned memory without a stream sync."""
         if not spans:
             empty = torch.zeros(0, dtype=torch.int64)
-            return cls(*(_to(t, device) for t in (empty, torch.zeros(1, dtype=torch.int64), empty)))
+            return cls(*(to_device(t, device) for t in (empty, torch.zeros(1, dtype=torch.int64), empty)))
         n = torch.tensor([s[1] for s in spans], dtype=torch.int64)
         start = torch.repeat_interleave(torch.tensor([s[0] for s in spans], dtype=torch.int64), n)
         src0 = torch.tensor([s[2] for s in spans], dtype=torch.int64)
@@ -51,16 +53,7 @@ class RowSums:
         per_row = torch.zeros(rows.numel(), dtype=torch.int64)
         per_row.index_add_(0, torch.repeat_interleave(torch.arange(rows.numel()), counts), real.long())
         ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(per_row, 0)])
-        return cls(*(_to(t, device) for t in (rows, ptr, src_all[real])))
-
-
-def _to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` (host) on ``device``: a CUDA copy goes from pinned memory, non-blocking (the caching
-    host allocator keeps the pinned block until the copy ran), so the host never waits for the
-    queue."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return cls(*(to_device(t, device) for t in (rows, ptr, src_all[real])))
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..kernels import AttnSpec, get_backend
 from ..kernels.autograd import block_attention
+from ..kernels.host_copy import to_device
 from ..kernels.output_cache import record_output, replay_output
 from ..kernels.registry import backend_tile
 from ..kernels.sinks import sink_grad
@@ -370,8 +371,8 @@ class Pack:
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Positions inside each document (restart at 0) of the local tokens."""
-        full = torch.cat([torch.arange(n, device=device) for n in self.packing.doc_lengths] or
-                         [torch.zeros(0, dtype=torch.long, device=device)])
+        full = to_device(torch.cat([torch.arange(n) for n in self.packing.doc_lengths] or
+                                   [torch.zeros(0, dtype=torch.long)]), device)
         return self.shard(full, 0)
 
     def attention(self, q, k, v, spec: AttnSpec):

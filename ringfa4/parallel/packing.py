@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.host_copy import to_device
 from .dispatch import DocPlacement, balance_documents, piece_pairs, tile_pairs
 from .layouts import Layout
 from .memo import cached_method
@@ -254,7 +255,7 @@ class Packing:
         segs = self.segments(rank)
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]).to(device)
+        return to_device(torch.cat([torch.arange(s.start, s.start + s.length) for s in segs]), device)
 
     def indices(self, rank: int, device=None) -> torch.Tensor:
         """Global token indices (int64) of ``rank``'s local tokens, in local order."""
@@ -265,14 +266,14 @@ class Packing:
         segs = self.segments(rank)
         if not segs:
             return torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat([torch.arange(s.pos, s.pos + s.length, device=device) for s in segs])
+        return to_device(torch.cat([torch.arange(s.pos, s.pos + s.length) for s in segs]), device)
 
     @cached_method
     def cu_seqlens(self, device) -> torch.Tensor:
         """The batch's int32 cu_seqlens on ``device``, built once and trusted (no check reads it back)."""
         from ..kernels.validate import mark_valid
 
-        cu = torch.tensor(self.cu, dtype=torch.int32).to(device)
+        cu = to_device(torch.tensor(self.cu, dtype=torch.int32), device)
         mark_valid(cu, max(self.doc_lengths, default=0))
         return cu
 

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels.host_copy import to_device
 from ..kernels.validate import mark_valid
 from .blocks import band_block, copy_unless_there, global_band, whole_block
 from .memo import cached_method
@@ -55,17 +56,19 @@ class VarlenCall:
         for q0, q1, k0, k1 in self.pairs:
             cu_q.append(cu_q[-1] + q1 - q0)
             cu_k.append(cu_k[-1] + k1 - k0)
-        qi = None if self.q_contiguous else torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]).to(device)
+        qi = None if self.q_contiguous else to_device(torch.cat([torch.arange(a, b) for a, b, _, _ in self.pairs]),
+                                                     device)
         ki = self._key_index(device)
         mq, mk = max(b - a for a, b, _, _ in self.pairs), max(d - c for _, _, c, d in self.pairs)
-        cq, ck = (torch.tensor(x, dtype=torch.int32).to(device) for x in (cu_q, cu_k))
+        cq, ck = (to_device(torch.tensor(x, dtype=torch.int32), device) for x in (cu_q, cu_k))
         mark_valid(cq, mq)  # built here: valid by construction, so block calls never sync to check
         mark_valid(ck, mk)
         return cq, ck, mq, mk, qi, ki
 
     def _key_index(self, device: torch.device) -> torch.Tensor | None:
         """The key rows to gather (int64), None where they are one slice."""
-        return None if self.k_contiguous else torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]).to(device)
+        return None if self.k_contiguous else to_device(torch.cat([torch.arange(c, d) for _, _, c, d in self.pairs]),
+                                                        device)
 
     @cached_method
     def spec(self, base, device):
