@@ -8,7 +8,8 @@
 #             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
 #   packed    packed documents (varlen_sim.py: each rank alone, under load, balanced vs per-document placements;
-#             step 5 on and off) and Ulysses x ring (ulysses_sim.py) (~7 min)
+#             step 5 on and off; the 64k pack's slowest rank profiled under load) and Ulysses x ring
+#             (ulysses_sim.py) (~8 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
@@ -75,6 +76,9 @@ stage_packed() {
   # what the solver's step 5 buys, the same method and call: the two mixes whose documents are split
   python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --modes balanced,unrefined \
     --out "$(name varlen_step5 "$sfx")"
+  # where the 64k pack's slowest rank loses under load: kernels by group and the compute stream's idle gaps
+  python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile \
+    --out "$(name varlen_profile "$sfx")"
   python3 benchmarks/ulysses_sim.py --out "$(name ulysses_sim "$sfx")"
 }
 

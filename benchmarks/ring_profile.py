@@ -95,18 +95,25 @@ def run(args, device):
             "top": [{"ms": t, "name": n, "group": gname, "calls": c} for t, n, gname, c in top[:25]]}
 
 
-def _compute_gaps(prof, reps: int, min_us: float = 5.0) -> dict:
-    """Idle time of the compute stream (the one with the most kernel time) between its first and
-    last kernel of the profiled steps, per step (``reps`` of them, back to back): ``idle_ms`` split
-    into gaps that end within 15 us of a copy ending on another stream (waiting for a hop:
-    ``after_copy_ms``) and the rest (launch gaps, host waits); gaps shorter than ``min_us`` are
-    counted separately."""
+def trace_events(prof) -> list[dict]:
+    """The GPU events (kernels, copies, memsets) of a finished ``torch.profiler`` run, as its chrome
+    trace lists them (``name``, ``cat``, ``ts`` / ``dur`` in us, ``args.stream``)."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def stream_gaps(evs: list[dict], reps: int, min_us: float = 5.0, top: int = 5) -> dict:
+    """Idle time of the compute stream (the one with the most kernel time) between its first and
+    last kernel of ``reps`` profiled steps run back to back, per step: ``idle_ms`` split into gaps
+    that end within 15 us of a copy ending on another stream (waiting for a hop: ``after_copy_ms``)
+    and the rest (launch gaps, host waits, cross-stream waits); gaps shorter than ``min_us`` are
+    counted separately (``short_ms``). ``top_gaps``: the ``top`` longest, with the events around
+    them (us, the event before, the event after)."""
     by_stream: dict = {}
     for e in evs:
         by_stream.setdefault(e.get("args", {}).get("stream"), []).append(e)
@@ -117,12 +124,13 @@ def _compute_gaps(prof, reps: int, min_us: float = 5.0) -> dict:
                     if e["cat"] == "gpu_memcpy")
     out = {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "after_copy_ms": 0.0, "other_ms": 0.0,
            "short_ms": 0.0, "gaps": 0, "after_copy_gaps": 0}
-    end = kern[0]["ts"]
-    out["span_ms"] = (kern[-1]["ts"] + kern[-1]["dur"] - kern[0]["ts"]) / 1e3
+    end, prev, seen = kern[0]["ts"], kern[0], []
+    out["span_ms"] = (max(e["ts"] + e["dur"] for e in kern) - kern[0]["ts"]) / 1e3
     for e in kern:
         gap = e["ts"] - end
         if gap > 0:
             out["idle_ms"] += gap / 1e3
+            seen.append((gap, prev["name"][:70], e["name"][:70]))
             if gap < min_us:
                 out["short_ms"] += gap / 1e3
             elif any(abs(c - e["ts"]) < 15.0 for c in copies):
@@ -131,9 +139,17 @@ def _compute_gaps(prof, reps: int, min_us: float = 5.0) -> dict:
             else:
                 out["other_ms"] += gap / 1e3
                 out["gaps"] += 1
-        end = max(end, e["ts"] + e["dur"])
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
     out["busy_ms"] = out["span_ms"] - out["idle_ms"]
-    return {key: val / reps for key, val in out.items()} | {"steps": reps}
+    seen.sort(key=lambda g: -g[0])
+    return ({key: val / reps for key, val in out.items()} | {"steps": reps}
+            | {"top_gaps": [{"us": g, "after": a, "before": b} for g, a, b in seen[:top]]})
+
+
+def _compute_gaps(prof, reps: int, min_us: float = 5.0) -> dict:
+    """:func:`stream_gaps` of a finished profiler run."""
+    return stream_gaps(trace_events(prof), reps, min_us)
 
 
 def _host_enqueue_ms(step, sleep_cycles: int = 2_000_000_000) -> dict:

@@ -38,8 +38,9 @@ tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128
         without the solver's step 5)
         [--profile] [--out benchmarks/results/varlen_sim.json]
 
-``--profile`` adds, per row, torch.profiler over the slowest rank's step: wall ms, GPU kernel ms by
-group (attention, merge, copies, accumulate, other: ring_profile.py's groups), the busy share (kernel
+``--profile`` adds, per row, torch.profiler over the slowest rank's step under load (:func:`_profile`):
+GPU span ms, kernel ms by group (attention, merge, copies, accumulate, other: ring_profile.py's groups),
+the compute stream's idle gaps (the longest with the kernels around them), the busy share (kernel
 time / wall; well under 1 means the host or launch gaps bound the rank) and the top kernels.
 """
 
@@ -57,7 +58,7 @@ import statistics
 import time
 
 import torch
-from _common import rotating, sustained_ms
+from _common import CudaOps, rotating, sustained_ms
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -138,32 +139,46 @@ def _ratio(xs) -> float:
     return max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0
 
 
-def _profile(step, shards, reps: int = 5) -> dict:
-    """torch.profiler over ``reps`` steps of one rank (after 2 warm ones): wall ms a step, GPU ms
-    by kernel group, the busy share and the 8 longest kernels (ms a step, calls a step)."""
-    from ring_profile import group_of
+def _profile(step, shards, reps: int = 5, ops=None) -> dict:
+    """torch.profiler over ``reps`` steps of one rank run back to back under load (after 2 warm
+    ones): GEMMs queued before the profiler starts (``ops.busy``; at least 60 ms and three times the
+    steps' host time) keep the host ahead and the clocks loaded, as :func:`~_common.sustained_ms`
+    times them, and are not traced. Per step: ``span_ms`` (the compute stream's first to last
+    kernel), GPU ms by kernel group, ``busy_share`` (kernel time / span; under 1: the GPU waited,
+    ``gaps`` says where: :func:`ring_profile.stream_gaps`) and the 8 longest kernels (ms, calls)."""
+    from ring_profile import group_of, stream_gaps, trace_events
 
+    ops = ops or CudaOps()
     call = rotating(step, shards)
     for _ in range(2):
         call()
-    torch.cuda.synchronize()
+    ops.sync()
     t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    ops.sync()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    ops.busy(max(60.0, 3 * host_ms))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(1000)  # a marker: events up to its end (the GEMMs, if traced) are not the steps'
         for _ in range(reps):
             call()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / reps
-    groups, top = {}, []
-    for e in prof.key_averages():
-        t = e.self_device_time_total / reps / 1e3
-        if t <= 0 or e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + t
-        top.append({"ms": t, "name": e.key[:80], "calls": e.count / reps})
-    top.sort(key=lambda x: -x["ms"])
+        ops.sync()
+    evs = trace_events(prof)
+    mark = max(e["ts"] + e["dur"] for e in evs if "spin_kernel" in e["name"])
+    evs = [e for e in evs if e["ts"] >= mark]
+    groups, by_name = {}, {}
+    for e in evs:
+        groups[group_of(e["name"])] = groups.get(group_of(e["name"]), 0.0) + e["dur"] / 1e3 / reps
+        ms, n = by_name.get(e["name"][:80], (0.0, 0))
+        by_name[e["name"][:80]] = (ms + e["dur"] / 1e3 / reps, n + 1)
+    top = sorted(({"ms": ms, "name": name, "calls": n / reps} for name, (ms, n) in by_name.items()),
+                 key=lambda x: -x["ms"])
+    gaps = stream_gaps(evs, reps)
     busy = sum(groups.values())
-    return {"wall_ms": wall, "busy_ms": busy, "busy_share": busy / wall, "groups_ms": groups, "top": top[:8]}
+    return {"span_ms": gaps["span_ms"], "busy_ms": busy, "busy_share": busy / gaps["span_ms"], "groups_ms": groups,
+            "gaps": gaps, "top": top[:8]}
 
 
 def _shard(packing, dense: bool, t: torch.Tensor, r: int) -> torch.Tensor:
@@ -354,13 +369,18 @@ def main() -> None:
         print(f"  {fit['pass']}: {terms}; R^2 {fit['r2']:.3f} (alone: pairs {fit['r2_pairs']:.3f}, whole-tile "
               f"pairs {fit['r2_tile_pairs']:.3f}; {fit['ranks']} ranks)")
     if args.profile:
-        print("\n| mix | P | mode | pass | ideal ms (one call / P) | wall ms | busy share | GPU ms by group |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| mix | P | mode | pass | ideal ms (one call / P) | GPU span ms | busy share | idle ms (>= 5 us "
+              "gaps, after a copy) | GPU ms by group |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            p = r["profile"]
+            p, gp = r["profile"], r["profile"]["gaps"]
             grp = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p["groups_ms"].items(), key=lambda x: -x[1]))
             print(f"| {r['mix']} | {r['P']} | {r['mode']} | {r['pass']} | {r['full_ms'] / r['P']:.3f} | "
-                  f"{p['wall_ms']:.3f} | {p['busy_share']:.2f} | {grp} |")
+                  f"{p['span_ms']:.3f} | {p['busy_share']:.2f} | {gp['idle_ms']:.3f} ({gp['gaps']:.0f}, "
+                  f"{gp['after_copy_ms']:.3f}) | {grp} |")
+            for g in gp["top_gaps"][:3]:
+                print(f"|  |  |  |  | gap {g['us']:.0f} us | after {g['after'][:40]} | before {g['before'][:40]} |"
+                      "  |  |")
     if EXPOSED:
         print(f"\n{len(EXPOSED)} rows' batches took the host longer than the GPU load queued before them (up to "
               f"{max(EXPOSED):.2f}x): the GPU may have waited for the host there")

@@ -114,6 +114,29 @@ def test_ring_profile_runs_tiny():
         assert "| group | ms | share of busy |" in r.stdout and "device busy" in r.stdout
 
 
+def test_stream_gaps_splits_idle_time_of_the_compute_stream():
+    """ring_profile.stream_gaps (varlen_sim --profile's gap analysis) on a made-up trace: two steps on
+    stream 7 with a 50 us gap after a hop's copy ends on stream 9, a 30 us gap after nothing, a 2 us
+    short one and an overlap (no gap); the copy stream's events are not the compute stream's."""
+    from ring_profile import stream_gaps
+
+    def ev(name, cat, ts, dur, stream):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "args": {"stream": stream}}
+    evs = [ev("attn_a", "kernel", 0, 100, 7), ev("copy", "gpu_memcpy", 60, 85, 9),
+           ev("attn_b", "kernel", 150, 100, 7),  # 50 us gap ending 5 us after the copy ended
+           ev("add", "kernel", 240, 20, 7),       # overlaps attn_b (no gap), ends after it
+           ev("attn_c", "kernel", 290, 100, 7),   # 30 us gap, no copy near
+           ev("fill", "gpu_memset", 392, 8, 7),   # 2 us: short
+           ev("tiny_other_stream", "kernel", 1000, 1, 9)]
+    got = stream_gaps(evs, reps=2)
+    assert got["span_ms"] == 0.4 / 2 and got["idle_ms"] == (50 + 30 + 2) / 1e3 / 2
+    assert got["after_copy_ms"] == 0.05 / 2 and got["after_copy_gaps"] == 0.5
+    assert got["other_ms"] == 0.03 / 2 and got["gaps"] == 0.5 and got["short_ms"] == 0.002 / 2
+    assert abs(got["busy_ms"] - (0.4 - 0.082) / 2) < 1e-12
+    assert [(g["us"], g["after"], g["before"]) for g in got["top_gaps"]] == [
+        (50, "attn_a", "attn_b"), (30, "add", "attn_c"), (2, "attn_c", "fill")]  # after: the last to end
+
+
 def test_memtrace_replay_finds_the_peak_live_set():
     import _memtrace
 
