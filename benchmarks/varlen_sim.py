@@ -142,7 +142,7 @@ def _ratio(xs) -> float:
 def _profile(step, shards, reps: int = 5, ops=None) -> dict:
     """torch.profiler over ``reps`` steps of one rank run back to back under load (after 2 warm
     ones): GEMMs queued before the profiler starts (``ops.busy``; at least 60 ms and three times the
-    steps' host time) keep the host ahead and the clocks loaded, as :func:`~_common.sustained_ms`
+    steps' untraced time) keep the host ahead and the clocks loaded, as :func:`~_common.sustained_ms`
     times them, and are not traced. Per step: ``span_ms`` (the compute stream's first to last
     kernel), GPU ms by kernel group, ``busy_share`` (kernel time / span; under 1: the GPU waited,
     ``gaps`` says where: :func:`ring_profile.stream_gaps`) and the 8 longest kernels (ms, calls)."""
@@ -157,8 +157,8 @@ def _profile(step, shards, reps: int = 5, ops=None) -> dict:
     for _ in range(reps):
         call()
     ops.sync()
-    host_ms = (time.perf_counter() - t0) * 1e3
-    ops.busy(max(60.0, 3 * host_ms))
+    steps_ms = (time.perf_counter() - t0) * 1e3  # at least the host's time for them
+    ops.busy(max(60.0, 3 * steps_ms))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(1000)  # a marker: events up to its end (the GEMMs, if traced) are not the steps'
@@ -166,8 +166,8 @@ def _profile(step, shards, reps: int = 5, ops=None) -> dict:
             call()
         ops.sync()
     evs = trace_events(prof)
-    mark = max(e["ts"] + e["dur"] for e in evs if "spin_kernel" in e["name"])
-    evs = [e for e in evs if e["ts"] >= mark]
+    marks = [e["ts"] + e["dur"] for e in evs if "spin_kernel" in e["name"]]
+    evs = [e for e in evs if e["ts"] >= max(marks)] if marks else evs
     groups, by_name = {}, {}
     for e in evs:
         groups[group_of(e["name"])] = groups.get(group_of(e["name"]), 0.0) + e["dur"] / 1e3 / reps
