@@ -76,6 +76,9 @@ stage_packed() {
   # what the solver's step 5 buys, the same method and call: the two mixes whose documents are split
   python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --modes balanced,unrefined \
     --out "$(name varlen_step5 "$sfx")"
+  # the exchange on the communication stream (as the transports post it) instead of in the rank's stream order
+  python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --worlds 8 --modes balanced --exchange overlapped \
+    --out "$(name varlen_overlapped "$sfx")"
   # where the 64k pack's slowest rank loses under load: kernels by group and the compute stream's idle gaps
   python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile \
     --out "$(name varlen_profile "$sfx")"

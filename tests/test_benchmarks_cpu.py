@@ -4,6 +4,7 @@ not the first place they are executed; and the all-to-all volume formula."""
 import os
 import sys
 
+import pytest
 import torch
 
 import ringfa4
@@ -233,7 +234,8 @@ def test_varlen_sim_ranks_alone():
             base = cp.run(q, AttnSpec(causal=True), packing, ag)
             full = ringfa4.attention(q, k, v, cp=cp, packing=pack, causal=True)
             for r in range(P):
-                run = dataclasses.replace(base, ranks=(r,), transport=varlen_sim._OneRank(P))
+                exchange = ("serial", "overlapped")[r % 2]  # (the same on the CPU: no communication stream)
+                run = dataclasses.replace(base, ranks=(r,), transport=varlen_sim._OneRank(P, exchange))
                 shards = [packing.shard(t, 0, r) for t in (q, k, v, do)]
                 varlen_sim._rank_step(run, fwd, bwd, True)(*shards)
                 if not packing.split_docs():
@@ -241,6 +243,8 @@ def test_varlen_sim_ranks_alone():
                     assert torch.equal(out, packing.shard(full, 0, r))
                     checked += 1
     assert checked == P  # the balanced pack of four equal documents keeps each whole
+    with pytest.raises(ValueError, match="exchange must be"):
+        varlen_sim._OneRank(P, "async")
 
 
 def test_host_cost_imports_and_parses():
