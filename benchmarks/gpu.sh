@@ -7,9 +7,9 @@
 #   kernels   block kernels vs sdpa and FA4 direct (block_kernels.py), fused merges (merge.py), the ring's forward kernels
 #             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
-#   packed    packed documents (varlen_sim.py: each rank alone, under load, balanced vs per-document placements;
-#             step 5 on and off; the 64k pack's slowest rank profiled under load) and Ulysses x ring
-#             (ulysses_sim.py) (~8 min)
+#   packed    PART p8 (default): packed documents at P = 8 (varlen_sim.py: each rank alone, under load, balanced;
+#             step 5 on and off; the exchange overlapped; the 64k pack's slowest rank profiled under load)
+#             (~6 min); PART modes: P = 4, the ring / allgather placements, Ulysses x ring (ulysses_sim.py) (~7 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
@@ -72,17 +72,24 @@ stage_ring() {  # extra arguments go to ring_sim.py (e.g. --hops none: hops that
 }
 
 stage_packed() {
-  python3 benchmarks/varlen_sim.py --out "$(name varlen_sim "$sfx")"
-  # what the solver's step 5 buys, the same method and call: the two mixes whose documents are split
-  python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --modes balanced,unrefined \
-    --out "$(name varlen_step5 "$sfx")"
-  # the exchange on the communication stream (as the transports post it) instead of in the rank's stream order
-  python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --worlds 8 --modes balanced --exchange overlapped \
-    --out "$(name varlen_overlapped "$sfx")"
-  # where the 64k pack's slowest rank loses under load: kernels by group and the compute stream's idle gaps
-  python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile \
-    --out "$(name varlen_profile "$sfx")"
-  python3 benchmarks/ulysses_sim.py --out "$(name ulysses_sim "$sfx")"
+  case "${1:-p8}" in
+    p8)  # the target (P = 8, balanced): every mix; step 5 on and off; the exchange overlapped; a profile under load
+      python3 benchmarks/varlen_sim.py --worlds 8 --modes balanced --out "$(name varlen_sim "$sfx")"
+      python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --worlds 8 --modes balanced,unrefined \
+        --out "$(name varlen_step5 "$sfx")"
+      python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --worlds 8 --modes balanced \
+        --exchange overlapped --out "$(name varlen_overlapped "$sfx")"
+      python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile \
+        --out "$(name varlen_profile "$sfx")"
+      ;;
+    modes)  # P = 4, and the per-document placements (ring, allgather) beside the balanced one
+      python3 benchmarks/varlen_sim.py --worlds 4 --modes balanced --out "$(name varlen_sim_p4 "$sfx")"
+      python3 benchmarks/varlen_sim.py --mixes uniform_64k,short_128k --worlds 8 --modes ring,allgather \
+        --out "$(name varlen_modes "$sfx")"
+      python3 benchmarks/ulysses_sim.py --out "$(name ulysses_sim "$sfx")"
+      ;;
+    *) echo "packed PART: p8 | modes" >&2; return 2 ;;
+  esac
 }
 
 stage_host() {
