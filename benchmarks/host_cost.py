@@ -100,7 +100,8 @@ def launches(fn) -> int:
 
 def profile_top(fn, cycles: int, n: int = 50) -> dict:
     """cProfile of one call enqueued behind queued GPU work: the ``n`` functions with the most own
-    time (``own``) and the most cumulative time (``cum``)."""
+    time (``own``) and the most cumulative time (``cum``); ``inside_backward``: the same of a second
+    call's ring backward (autograd's thread), profiled alone."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
