@@ -12,11 +12,20 @@ zero allowed). Two placements:
   (zigzag: 2P, rank r holds chunks r and 2P-1-r; contiguous: P) whose lengths differ by at most
   one token; every token travels.
 
-A rank's local tokens are *part-major*: first its first piece of every travelling document it
-holds pieces of (in document order), then its second piece of every one that has one, and so on,
-then its whole documents (in document order). The travelling tokens are a prefix of the local rows
-(``travel_rows``), and every (q part, kv part) pair of a ring step tiles contiguous local
-ranges, so one varlen call covers all documents.
+A rank's local tokens are *part-major*: per document, its pieces with the per-document layout
+(chunk by chunk, documents in order); with the balanced placement, its first piece of every
+travelling document it holds pieces of, then its second piece of every one that has one, and so on
+(a document's pieces in position order, as the dense ring's zigzag layout has them), each part's
+pieces heaviest first: by their end position in the document, latest first; then its whole
+documents, longest first. The travelling tokens are a prefix of the local rows (``travel_rows``),
+and every (q part, kv part) pair of a ring step tiles contiguous local ranges, so one varlen call
+covers all documents. Heaviest first because FA4's varlen tile schedulers hand out tiles in the
+order of the call's segments (a forward query tile of a segment sees its keys up to the tile's end,
+a backward key tile its queries): a heavy segment last in a call starts its longest tiles when the
+others are done and leaves SMs idle while they finish. A list schedule of every call's tiles on
+132 SMs (one per SM, forward and backward) puts the slowest rank of ``benchmarks/varlen_sim.py``'s
+mixes at P = 8 at 1.018-1.080 of its share of the one full call's tile work in this order, against
+1.025-1.080 in document order (short 128k 1.018 against 1.037, uniform 256k 1.025 against 1.032).
 
     pack = cp.pack(cu_seqlens)                  # or cp.pack_from_position_ids(position_ids)
     x_local = pack.shard(x, dim=0); pos = pack.positions(); x = pack.unshard(x_local, dim=0)
@@ -190,14 +199,14 @@ class Packing:
         pl = self.placement
         split = pl.split
         parts = max((len(pl.pieces(doc, rank)) for doc in split), default=0)
-        for part in range(parts):
-            for doc in split:
-                held = pl.pieces(doc, rank)
-                if part < len(held):
-                    yield (part, doc, *pl.bounds(doc)[held[part]])
-        for doc, owner in enumerate(pl.owner):
-            if owner == rank:
-                yield Segment.WHOLE, doc, 0, self.doc_lengths[doc]
+        for part in range(parts):  # each part's heaviest first (see the module doc)
+            held = [(doc, *pl.bounds(doc)[pl.pieces(doc, rank)[part]]) for doc in split
+                    if part < len(pl.pieces(doc, rank))]
+            for doc, pos, size in sorted(held, key=lambda run: -(run[1] + run[2])):
+                yield part, doc, pos, size
+        whole = [doc for doc, owner in enumerate(pl.owner) if owner == rank]
+        for doc in sorted(whole, key=lambda doc: -self.doc_lengths[doc]):
+            yield Segment.WHOLE, doc, 0, self.doc_lengths[doc]
 
     @cached_method
     def rows(self, rank: int) -> int:
