@@ -8,7 +8,7 @@
 #             against FA4's per block shape (fa4_merge_epilogue.py) (~6 min)
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
 #   packed    PART p8 (default): packed documents at P = 8 (varlen_sim.py: each rank alone, under load, balanced;
-#             step 5 on and off; the exchange overlapped; the 64k pack's slowest rank profiled under load)
+#             step 5 on and off; the exchange overlapped; the 64k pack's ranks profiled under load, each by kernel kind)
 #             (~6 min); PART modes: P = 4, the ring / allgather placements, Ulysses x ring (ulysses_sim.py) (~7 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
@@ -79,7 +79,7 @@ stage_packed() {
         --out "$(name varlen_step5 "$sfx")"
       python3 benchmarks/varlen_sim.py --mixes uniform_64k,tail_256k --worlds 8 --modes balanced \
         --exchange overlapped --out "$(name varlen_overlapped "$sfx")"
-      python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile \
+      python3 benchmarks/varlen_sim.py --mixes uniform_64k,one_64k --worlds 8 --modes balanced --profile all \
         --out "$(name varlen_profile "$sfx")"
       ;;
     modes)  # P = 4, and the per-document placements (ring, allgather) beside the balanced one

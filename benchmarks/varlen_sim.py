@@ -36,12 +36,14 @@ tail (log-uniform 128-64k) at 256k, and one 64k document. h = 32 / kv 8, d = 128
     python benchmarks/varlen_sim.py [--mixes uniform_64k,...] [--worlds 4,8] [--modes balanced,ring,allgather]
         (balanced/ring, balanced/allgather: the placement with its travel forced; unrefined: balanced
         without the solver's step 5)
-        [--profile] [--out benchmarks/results/varlen_sim.json]
+        [--profile [all]] [--out benchmarks/results/varlen_sim.json]
 
 ``--profile`` adds, per row, torch.profiler over the slowest rank's step under load (:func:`_profile`):
 GPU span ms, kernel ms by group (attention, merge, copies, accumulate, other: ring_profile.py's groups),
 the compute stream's idle gaps (the longest with the kernels around them), the busy share (kernel
-time / wall; well under 1 means the host or launch gaps bound the rank) and the top kernels.
+time / wall; well under 1 means the host or launch gaps bound the rank) and the top kernels;
+``--profile all`` also every rank's GPU ms by kernel kind (``rank_kernels_ms``: FA4's forward, backward
+main, pre- and postprocess kernels, the others by group), to see where ranks of equal work differ.
 """
 
 from __future__ import annotations
@@ -195,7 +197,21 @@ def _profile(step, shards, reps: int = 5, ops=None) -> dict:
     gaps = stream_gaps(evs, reps)
     busy = sum(groups.values())
     return {"span_ms": gaps["span_ms"], "busy_ms": busy, "busy_share": busy / gaps["span_ms"], "groups_ms": groups,
-            "gaps": gaps, "top": top[:8]}
+            "gaps": gaps, "top": top[:8], "top_all": top}
+
+
+def _kernel_kinds(prof: dict) -> dict:
+    """A rank's :func:`_profile` as GPU ms a step: FA4's forward, backward main, pre- and
+    postprocess kernels, the rest by group, and the span."""
+    from ring_profile import group_of
+
+    kinds = {"span": prof["span_ms"]}
+    for k in prof["top_all"]:
+        name = k["name"]
+        kind = ("fa4_fwd" if "_fwd" in name else "fa4_bwd_pre" if "bwd_preprocess" in name else "fa4_bwd_post"
+                if "bwd_postprocess" in name else "fa4_bwd" if "_bwd" in name else group_of(name))
+        kinds[kind] = kinds.get(kind, 0.0) + k["ms"]
+    return kinds
 
 
 def _shard(packing, dense: bool, t: torch.Tensor, r: int) -> torch.Tensor:
@@ -283,12 +299,15 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                 per_round = [timed["full"]["rounds"][k] / (P * max(timed[r]["rounds"][k] for r in range(P)))
                              for k in range(rounds)]
                 slowest = max(per_rank)
-                prof = None
-                if profile:
-                    r = per_rank.index(slowest)
-                    run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P, exchange))
-                    prof = _profile(_rank_step(run, fwd, bwd, backward),
-                                    [[shard(t, r) for t in s] for s in sets])
+                prof, rank_profiles = None, None
+                if profile:  # the slowest rank; with "all", every rank's kernels (where equal work differs)
+                    for r in (range(P) if profile == "all" else [per_rank.index(slowest)]):
+                        run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P, exchange))
+                        got = _profile(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
+                        if profile == "all":
+                            rank_profiles = (rank_profiles or []) + [_kernel_kinds(got)]
+                        if r == per_rank.index(slowest):
+                            prof = {k: v for k, v in got.items() if k != "top_all"}
                 rows.append({
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),
                     "pass": "fwd+bwd" if backward else "fwd", "docs": len(lengths),
@@ -304,7 +323,8 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                         P * max(max(g, h) for g, h in zip(per_rank, host_rank, strict=True))),
                     "efficiency_by_round": per_round, "flops_balance": _ratio(flops),
                     "token_balance": _ratio(toks), "rows_per_hop": travel, "key_rows": keys, "pieces": pieces(packing),
-                    "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {}))
+                    "mib_per_hop": 2 * travel * HK * D * 2 / 2**20} | ({"profile": prof} if prof else {})
+                    | ({"rank_kernels_ms": rank_profiles} if rank_profiles else {}))
                 print(json.dumps(rows[-1]), flush=True)
     del sets
     torch.cuda.empty_cache()
@@ -352,7 +372,9 @@ def main() -> None:
                          "unrefined: balanced without the solver's step 5 (refine_boundaries)")
     ap.add_argument("--rep", type=int, default=3, help="batches a round (each times every call once)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (after one discarded)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler over each row's slowest rank")
+    ap.add_argument("--profile", nargs="?", const="slowest", choices=("slowest", "all"),
+                    help="torch.profiler over each row's slowest rank; all: also every rank's GPU ms by kernel kind "
+                         "(rank_kernels_ms)")
     ap.add_argument("--exchange", default="serial", choices=("serial", "overlapped"),
                     help="the all-gather mode's K/V and dK/dV exchange, simulated in the rank's own stream order "
                          "(its copies all counted) or on the communication stream (overlapping the rank's other "
@@ -404,6 +426,10 @@ def main() -> None:
             for g in gp["top_gaps"][:3]:
                 print(f"|  |  |  |  | gap {g['us']:.0f} us | after {g['after'][:40]} | before {g['before'][:40]} |"
                       "  |  |")
+        for r in rows:
+            for rank, kinds in enumerate(r.get("rank_kernels_ms") or ()):
+                print(f"  {r['mix']} {r['pass']} rank {rank}: {r['rank_ms'][rank]:.3f} ms timed; "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in sorted(kinds.items(), key=lambda x: -x[1])))
     if EXPOSED:
         print(f"\n{len(EXPOSED)} rows' batches took the host longer than the GPU load queued before them (up to "
               f"{max(EXPOSED):.2f}x): the GPU may have waited for the host there")

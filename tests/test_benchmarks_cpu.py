@@ -209,6 +209,25 @@ def test_varlen_sim_fits_the_rank_cost():
             assert abs(fit["us_per"][name] - value) <= 1e-6 * value, (name, fit)
 
 
+def test_varlen_sim_sorts_a_ranks_kernels_by_kind():
+    """varlen_sim --profile all: FA4's forward, backward main, pre- and postprocess kernels told
+    apart by name, every other kernel by ring_profile's group, each kind's ms summed."""
+    import varlen_sim
+
+    top = [{"ms": 1.5, "name": "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_o"},
+           {"ms": 4.0, "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_o"},
+           {"ms": 0.1, "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPr"},
+           {"ms": 0.05, "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardP"},
+           {"ms": 0.04, "name": "kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardP"},
+           {"ms": 0.2, "name": "Memcpy DtoD (Device -> Device)"},
+           {"ms": 0.12, "name": "unpad_add_kernel"}]
+    kinds = varlen_sim._kernel_kinds({"span_ms": 6.2, "top_all": top})
+    assert kinds["span"] == 6.2 and kinds["fa4_fwd"] == 1.5 and kinds["fa4_bwd"] == 4.0
+    assert kinds["fa4_bwd_pre"] == 0.1 and abs(kinds["fa4_bwd_post"] - 0.09) < 1e-12
+    rest = {k: v for k, v in kinds.items() if not k.startswith("fa4") and k != "span"}
+    assert abs(sum(rest.values()) - 0.32) < 1e-12 and len(rest) >= 1
+
+
 def test_varlen_sim_ranks_alone():
     """varlen_sim's one-rank runs: every mode's forward and backward run for each rank alone; a
     rank whose documents are all whole (nothing travels) gets exactly its rows of the full result."""
