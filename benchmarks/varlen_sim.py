@@ -23,7 +23,7 @@ takes max(GPU, host) a call).
 ``efficiency_by_round`` keeps each round's.
 Also: each rank's time beside its tokens, causal pairs (exact, and in whole tiles: what its kernels
 compute), key rows and segments (``rank_ms``, ``rank_tokens``, ``rank_pairs``, ``rank_tile_pairs``,
-``rank_key_rows``, ``rank_segments``; ``tile_balance``), and their least-squares fit
+``rank_key_rows``, ``rank_key_tiles``, ``rank_segments``; ``tile_balance``), and their least-squares fit
 over the balanced rows (``rank_cost_fit``, :func:`fit_rank_cost`: what the placement's cost model
 should weigh, and how much of the time pairs alone explain);
 max / mean tokens and causal FLOPs per rank, rows and MiB of K/V a rank sends per hop (ring), the
@@ -226,6 +226,14 @@ def key_rows(packing) -> int:
     return sum(sum(packing.piece_ends(r).values()) for r in range(packing.world_size))
 
 
+def key_tiles(packing, rank: int) -> int:
+    """The key tiles ``rank``'s calls run, summed over its segments: a piece's keys up to its end
+    (causal; its document's earlier keys included), a whole document's own, in tiles of the layout's
+    tile (each such tile's dK/dV is written, unpadded, returned and summed once per segment that sees it)."""
+    t = packing.layout.tile
+    return sum(-(-((s.pos + s.length) if s.travels else s.length) // t) for s in packing.segments(rank))
+
+
 def pieces(packing) -> int:
     """Travelling segments (pieces of split documents) over all ranks."""
     return sum(1 for r in range(packing.world_size) for s in packing.segments(r) if s.travels)
@@ -316,6 +324,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
                     "rank_tokens": toks, "rank_pairs": flops,  # per-rank features beside rank_ms: the cost
                     "rank_key_rows": [sum(packing.piece_ends(r).values()) for r in range(P)],  # model's fit
                     "rank_segments": [len(packing.segments(r)) for r in range(P)],
+                    "rank_key_tiles": [key_tiles(packing, r) for r in range(P)],
                     "rank_tile_pairs": tiles, "tile_balance": _ratio(tiles),
                     "slowest_rank_ms": slowest, "mean_rank_ms": statistics.mean(per_rank),
                     "efficiency": full_ms / (P * slowest),  # GPU time under load, the host ahead (as in training)
@@ -331,7 +340,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rou
     return rows
 
 
-COST_FEATURES = ("rank_tile_pairs", "rank_key_rows", "rank_tokens", "rank_segments")
+COST_FEATURES = ("rank_tile_pairs", "rank_key_rows", "rank_key_tiles", "rank_tokens", "rank_segments")
 
 
 def fit_rank_cost(rows: list[dict], mode: str = "balanced") -> list[dict]:

@@ -189,7 +189,8 @@ def test_varlen_sim_fits_the_rank_cost():
     import varlen_sim
 
     rnd = random.Random(0)
-    truth = {"rank_tile_pairs": 2e-6, "rank_key_rows": 0.05, "rank_tokens": 0.01, "rank_segments": 7.0, "const": 40.0}
+    truth = {"rank_tile_pairs": 2e-6, "rank_key_rows": 0.05, "rank_key_tiles": 3.0, "rank_tokens": 0.01,
+             "rank_segments": 7.0, "const": 40.0}
     rows = []
     for mode in ("balanced", "ring"):
         for pass_ in ("fwd", "fwd+bwd"):
