@@ -13,7 +13,8 @@ segment first (FA4's LPT order inside a segment), a tile costing the key tiles i
 ``--tile-cost``; backward: per segment ``ceil(kl / 128)`` key tiles x h in order, a tile costing
 2.5 x the 128-row query blocks that see it (in blocks of 64 rows) plus ``--tile-cost``. Each tile
 goes to the SM that frees first; a rank's time is the sum of its calls' makespans (calls run one after
-another). Reported per mix and P: the slowest rank's time over its share (1 / P) of the one full
+another). Reported per mix and P (and per rank in the JSON: ``rank_fwd``, ``rank_fwd+bwd``, to set beside
+``varlen_sim.py``'s ``rank_ms``): the slowest rank's time over its share (1 / P) of the one full
 call's tile work (the pack's documents as the segments of one call), with the calls' segments in the
 placement's local order ("local", heaviest first since fd597b3) and in document order (the order
 before: each part's pieces, then the whole documents, by document index).
@@ -98,7 +99,9 @@ def mix_rows(name: str, P: int, sms: int, tile_cost: float) -> dict:
             per_rank.append({p: sum(makespan(f(c, tile_cost), sms) for c in calls if c)
                              for p, f in (("fwd", forward_tiles), ("bwd", backward_tiles))})
         row[order] = {"fwd": max(t["fwd"] for t in per_rank) / share["fwd"],
-                      "fwd+bwd": max(t["fwd"] + t["bwd"] for t in per_rank) / (share["fwd"] + share["bwd"])}
+                      "fwd+bwd": max(t["fwd"] + t["bwd"] for t in per_rank) / (share["fwd"] + share["bwd"]),
+                      "rank_fwd": [t["fwd"] / share["fwd"] for t in per_rank],  # each rank / its share
+                      "rank_fwd+bwd": [(t["fwd"] + t["bwd"]) / (share["fwd"] + share["bwd"]) for t in per_rank]}
     return row
 
 
