@@ -12,8 +12,8 @@ zero allowed). Two placements:
   (zigzag: 2P, rank r holds chunks r and 2P-1-r; contiguous: P) whose lengths differ by at most
   one token; every token travels.
 
-A rank's local tokens are *part-major*: per document, its pieces with the per-document layout
-(chunk by chunk, documents in order); with the balanced placement, its first piece of every
+A rank's local tokens are *part-major*: with the per-document placement, chunk by chunk, each
+chunk's documents in order; with the balanced placement, its first piece of every
 travelling document it holds pieces of, then its second piece of every one that has one, and so on
 (a document's pieces in position order, as the dense ring's zigzag layout has them), each part's
 pieces heaviest first: by their end position in the document, latest first; then its whole
@@ -23,7 +23,7 @@ covers all documents. Heaviest first because FA4's varlen tile schedulers hand o
 order of the call's segments (a forward query tile of a segment sees its keys up to the tile's end,
 a backward key tile its queries): a heavy segment last in a call starts its longest tiles when the
 others are done and leaves SMs idle while they finish. A list schedule of every call's tiles on
-132 SMs (``benchmarks/tile_schedule.py``, a model, forward and backward) puts the slowest rank of
+132 SMs (``benchmarks/tile_schedule.py``: a model, not a timing; forward and backward) puts the slowest rank of
 ``benchmarks/varlen_sim.py``'s mixes at P = 8 at 1.018-1.080 of its share of the one full call's tile
 work in this order, against 1.025-1.080 in document order (short 128k 1.018 against 1.037, uniform
 256k 1.025 against 1.032; the backward gains, the forward alone moves by 0.002 either way).
