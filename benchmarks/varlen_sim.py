@@ -255,7 +255,7 @@ def travel_kind(dense: bool, allgather: bool) -> str:
     return "dense" if dense else "allgather" if allgather else "ring"
 
 
-def bench_mix(name: str, worlds, modes, be, rep: int, profile: bool = False, rounds: int = 3,
+def bench_mix(name: str, worlds, modes, be, rep: int, profile: str | None = None, rounds: int = 3,
               exchange: str = "serial") -> list[dict]:
     lengths = mix_lengths(name)
     total = sum(lengths)
