@@ -9,7 +9,8 @@
 #   ring      ring_sim: 64k, P = 8, causal, executor level, default rounds; ring_precision at P = 8 and 32 (~4 min)
 #   packed    PART p8 (default): packed documents at P = 8 (varlen_sim.py: each rank alone, under load, balanced;
 #             step 5 on and off; the exchange overlapped; the 64k pack's ranks profiled under load, each by kernel kind)
-#             (~8 min: the H100 took 4 without the per-rank profiles); PART modes: P = 4, the ring / allgather placements, Ulysses x ring (ulysses_sim.py) (~7 min)
+#             (~8 min: the H100 took 4 without the per-rank profiles); PART modes: P = 4, the ring / allgather
+#             placements, Ulysses x ring (ulysses_sim.py) (~7 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and

@@ -309,12 +309,13 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: str | None = None
                 slowest = max(per_rank)
                 prof, rank_profiles = None, None
                 if profile:  # the slowest rank; with "all", every rank's kernels (where equal work differs)
-                    for r in (range(P) if profile == "all" else [per_rank.index(slowest)]):
+                    slow = per_rank.index(slowest)
+                    for r in (range(P) if profile == "all" else [slow]):
                         run = dataclasses.replace(base, ranks=(r,), transport=_OneRank(P, exchange))
                         got = _profile(_rank_step(run, fwd, bwd, backward), [[shard(t, r) for t in s] for s in sets])
                         if profile == "all":
                             rank_profiles = (rank_profiles or []) + [_kernel_kinds(got)]
-                        if r == per_rank.index(slowest):
+                        if r == slow:
                             prof = {k: v for k, v in got.items() if k != "top_all"}
                 rows.append({
                     "mix": name, "P": P, "mode": mode, "travel": travel_kind(dense, allgather),

@@ -23,10 +23,11 @@ covers all documents. Heaviest first because FA4's varlen tile schedulers hand o
 order of the call's segments (a forward query tile of a segment sees its keys up to the tile's end,
 a backward key tile its queries): a heavy segment last in a call starts its longest tiles when the
 others are done and leaves SMs idle while they finish. A list schedule of every call's tiles on
-132 SMs (``benchmarks/tile_schedule.py``: a model, not a timing; forward and backward) puts the slowest rank of
-``benchmarks/varlen_sim.py``'s mixes at P = 8 at 1.018-1.080 of its share of the one full call's tile
-work in this order, against 1.025-1.080 in document order (short 128k 1.018 against 1.037, uniform
-256k 1.025 against 1.032; the backward gains, the forward alone moves by 0.002 either way).
+132 SMs (``benchmarks/tile_schedule.py``: a model, not a timing; forward and backward) puts the
+slowest rank of ``benchmarks/varlen_sim.py``'s mixes at P = 8 at 1.018-1.080 of its share of the one
+full call's tile work in this order, against 1.025-1.080 in document order (short 128k 1.018
+against 1.037, uniform 256k 1.025 against 1.032; the backward gains, the forward alone moves by
+0.002 either way).
 
     pack = cp.pack(cu_seqlens)                  # or cp.pack_from_position_ids(position_ids)
     x_local = pack.shard(x, dim=0); pos = pack.positions(); x = pack.unshard(x_local, dim=0)
