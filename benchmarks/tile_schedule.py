@@ -39,6 +39,7 @@ from ringfa4.kernels.reference import ReferenceBackend
 from ringfa4.parallel.allgather import AllGatherSchedule
 
 TILE, HEADS, BWD_M, BWD_WORK = 128, 32, 64, 2.5
+SMS = 132  # H100 / H200
 
 
 def makespan(costs: list[float], sms: int) -> float:
@@ -109,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mixes", default=",".join(m for m in MIXES if m != "one_64k"))
     ap.add_argument("--worlds", default="8")
-    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--sms", type=int, default=SMS)
     ap.add_argument("--tile-cost", type=float, default=4.0, help="a tile's fixed cost, in key / query blocks")
     ap.add_argument("--out", default="benchmarks/results/tile_schedule_cpu.json")
     args = ap.parse_args()

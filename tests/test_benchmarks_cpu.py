@@ -245,6 +245,31 @@ def test_tile_schedule_model():
     assert rows["short_128k"]["local"]["fwd+bwd"] < rows["short_128k"]["document"]["fwd+bwd"] - 0.01
 
 
+def test_varlen_tile_cost_fit():
+    """varlen_tile_cost.py's units and fit: a segment's tiles and blocks as tile_schedule counts them,
+    enough segments for the waves asked, and the fit recovers the per-block, per-tile and per-call
+    costs (and so the tile cost in blocks) of times made from them, with R^2 1 and no residual."""
+    import tile_schedule as ts
+    import varlen_tile_cost as vtc
+
+    u = vtc.segment_units(256, 1024)  # two query tiles, ten key tiles
+    assert u["fwd_tiles"] == 2 * ts.HEADS and u["fwd_blocks"] == (10 + 9) * ts.HEADS
+    assert u["bwd_tiles"] == 10 * ts.HEADS and u["bwd_blocks"] == (8 * 2 + 2 + 1) * 2.5 * ts.HEADS
+    for n, p in ((128, 0), (256, 12288), (4096, 0)):
+        R = vtc.segments_for(n, p, 4.0)
+        per = vtc.segment_units(n, p)
+        assert R * min(per["fwd_tiles"], per["bwd_tiles"]) >= 4 * ts.SMS
+        assert R == 1 or (R - 1) * min(per["fwd_tiles"], per["bwd_tiles"]) < 4 * ts.SMS
+    a, b, c = 2e-5, 3e-4, 0.02  # ms a block, a tile, a call: a tile cost of 15 blocks
+    rows = []
+    for n, p in ((128, 0), (256, 6144), (1024, 2048), (4096, 0), (512, 12288)):
+        units = {k: 3 * x for k, x in vtc.segment_units(n, p).items()}
+        rows.append({**units, "bwd": a * units["bwd_blocks"] + b * units["bwd_tiles"] + c})
+    fit = vtc.fit_tile_cost(rows, "bwd")
+    assert abs(fit["tile_cost_blocks"] - 15) < 1e-6 and abs(fit["us_per_call"] - 20) < 1e-6
+    assert fit["r2"] > 1 - 1e-9 and max(abs(x) for x in fit["residual_ms"]) < 1e-9
+
+
 def test_varlen_sim_ranks_alone():
     """varlen_sim's one-rank runs: every mode's forward and backward run for each rank alone; a
     rank whose documents are all whole (nothing travels) gets exactly its rows of the full result."""
