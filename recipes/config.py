@@ -273,9 +273,13 @@ def graphs_by_default(cfg: FinetuneConfig) -> bool:
 
 def ring_options(cfg: FinetuneConfig, cuda: bool = False) -> RingOptions:
     """The ``ringfa4.RingOptions`` of the config's ``[cp]`` table (what the run's ContextParallel uses);
-    an unknown key or a bad value is a ValueError naming it. ``cuda``: the run is on GPUs; then, where
-    :func:`graphs_by_default` and ``[cp]`` does not set ``cuda_graphs``, the ring is captured in CUDA
-    graphs (``cuda_graphs = true``)."""
+    an unknown key or a bad value is a ValueError naming it. Unless ``[cp]`` sets ``metadata_check``,
+    the ranks compare a call's metadata once per call key (``"new_shapes"``), not on every call: every
+    CP rank of a recipe shards the same global batch (:func:`ringfa4.hf.shard_batch`), so the ranks'
+    keys change together, and a model's layers then check once per batch instead of once each (the
+    check is most of a real rank's host time a call: docs/options.md). ``cuda``: the run is on GPUs;
+    then, where :func:`graphs_by_default` and ``[cp]`` does not set ``cuda_graphs``, the ring is
+    captured in CUDA graphs (``cuda_graphs = true``)."""
     floats = {f.name for f in dataclasses.fields(RingOptions) if isinstance(f.default, float)}
     table = {k: float(v) if k in floats and type(v) is int else v for k, v in cfg.cp.items()}
     try:
@@ -283,6 +287,8 @@ def ring_options(cfg: FinetuneConfig, cuda: bool = False) -> RingOptions:
     except (TypeError, ValueError) as exc:
         msg = str(exc)
         raise ValueError(msg if msg.startswith("[cp]") else f"[cp]: {msg}") from None
+    if "metadata_check" not in cfg.cp:
+        options = options.replace(metadata_check="new_shapes")
     if cuda and "cuda_graphs" not in cfg.cp and graphs_by_default(cfg):
         options = options.replace(cuda_graphs=True)
     return options

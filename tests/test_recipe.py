@@ -122,13 +122,16 @@ def test_typed_config_values():
 def test_cp_table_reaches_ring_options(tmp_path):
     from ringfa4.options import RingOptions
 
-    assert finetune.ring_options(finetune.load_config(None)) == RingOptions()
-    assert finetune.ring_options(finetune.load_config(None, ['cp.bwd_ring="q"'])) == RingOptions(bwd_ring="q")
+    recipe = RingOptions(metadata_check="new_shapes")  # the recipes' ranks shard one batch: checked once per key
+    assert finetune.ring_options(finetune.load_config(None)) == recipe
+    assert finetune.ring_options(finetune.load_config(None, ['cp.bwd_ring="q"'])) == recipe.replace(bwd_ring="q")
+    told = finetune.load_config(None, ['cp.metadata_check="every_call"'])
+    assert finetune.ring_options(told) == RingOptions()
     toml = tmp_path / "cp.toml"
     toml.write_text("[cp]\nbwd_ring = 'q'\ndkv_groups = 1\ntimeout_s = 60\nfp32_partials = false\n")
     cfg = finetune.load_config(str(toml), ['cp.bwd_ring="kv"', "cp.nvlink_domain=4"])
     opts = finetune.ring_options(cfg)
-    assert opts == RingOptions(bwd_ring="kv", dkv_groups=1, timeout_s=60.0, fp32_partials=False, nvlink_domain=4)
+    assert opts == recipe.replace(bwd_ring="kv", dkv_groups=1, timeout_s=60.0, fp32_partials=False, nvlink_domain=4)
     assert isinstance(opts.timeout_s, float)
 
 
@@ -234,6 +237,8 @@ def test_static_shapes_turn_cuda_graphs_on():
 
     from ringfa4.options import RingOptions
 
+    eager = RingOptions(metadata_check="new_shapes")  # the recipes' default besides graphs
+
     encode = ByteTokenizer(256).encode
     for seq_len in (64, 256, 1000):
         cfg = finetune.load_config(None, [f"train.seq_len={seq_len}", f"data.doc_tokens={seq_len}",
@@ -242,15 +247,15 @@ def test_static_shapes_turn_cuda_graphs_on():
         stream = PackedStream(lambda i, n=seq_len: passkey_document(i, 0, n, encode), seq_len, 0, 1)
         for _ in range(5):
             assert stream.next_batch()["position_ids"][0].tolist() == list(range(seq_len))  # one document a row
-        assert finetune.ring_options(cfg, cuda=True) == RingOptions(cuda_graphs=True)
-        assert finetune.ring_options(cfg) == RingOptions()  # CPU: eager
+        assert finetune.ring_options(cfg, cuda=True) == eager.replace(cuda_graphs=True)
+        assert finetune.ring_options(cfg) == eager  # CPU: eager
     packed = finetune.load_config(None, ["train.seq_len=256", "data.doc_tokens=100", "parallel.cp=2"])
-    assert not config.static_shapes(packed) and finetune.ring_options(packed, cuda=True) == RingOptions()
+    assert not config.static_shapes(packed) and finetune.ring_options(packed, cuda=True) == eager
     told = finetune.load_config(None, ["train.seq_len=64", "data.doc_tokens=64", "parallel.cp=2",
                                        "cp.cuda_graphs=false"])
-    assert finetune.ring_options(told, cuda=True) == RingOptions()
+    assert finetune.ring_options(told, cuda=True) == eager
     n = 2 * config.GRAPHS_UP_TO
-    for eager in (["parallel.cp=2", f"train.seq_len={2 * n}"],  # 2 x GRAPHS_UP_TO tokens a rank
+    for args in (["parallel.cp=2", f"train.seq_len={2 * n}"],  # 2 x GRAPHS_UP_TO tokens a rank
                   ["parallel.cp=1", "train.seq_len=64"], ["parallel.cp=2", "parallel.ulysses=2", "train.seq_len=64"]):
-        cfg = finetune.load_config(None, eager + [f"data.doc_tokens={n * 2}"])
-        assert config.static_shapes(cfg) and finetune.ring_options(cfg, cuda=True) == RingOptions(), eager
+        cfg = finetune.load_config(None, args + [f"data.doc_tokens={n * 2}"])
+        assert config.static_shapes(cfg) and finetune.ring_options(cfg, cuda=True) == eager, args
