@@ -10,8 +10,9 @@
 #   packed    PART p8 (default): packed documents at P = 8 (varlen_sim.py: each rank alone, under load, balanced;
 #             step 5 on and off; the exchange overlapped; the 64k pack's ranks profiled under load, each by kernel kind)
 #             (~8 min: the H100 took 4 without the per-rank profiles); PART modes: P = 4, the ring / allgather
-#             placements, Ulysses x ring (ulysses_sim.py) (~7 min); PART tiles: what a tile of FA4's varlen kernels
-#             costs besides its blocks (varlen_tile_cost.py: the tile cost tile_schedule.py models) (~2 min)
+#             placements, Ulysses x ring (ulysses_sim.py), dense and the packed mixes (~9 min); PART tiles: what a
+#             tile of FA4's varlen kernels costs besides its blocks (varlen_tile_cost.py: the tile cost
+#             tile_schedule.py models) (~2 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
@@ -89,6 +90,8 @@ stage_packed() {
       python3 benchmarks/varlen_sim.py --mixes uniform_64k,short_128k --worlds 8 --modes ring,allgather \
         --out "$(name varlen_modes "$sfx")"
       python3 benchmarks/ulysses_sim.py --out "$(name ulysses_sim "$sfx")"
+      python3 benchmarks/ulysses_sim.py --packed uniform_64k,uniform_256k,short_128k,tail_256k \
+        --out "$(name ulysses_sim_packed "$sfx")"
       ;;
     tiles)  # the per-tile constant of FA4's varlen forward and backward (pieces deep in a document: many tiles)
       python3 benchmarks/varlen_tile_cost.py --out "$(name varlen_tile_cost "$sfx")"

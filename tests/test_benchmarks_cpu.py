@@ -82,6 +82,31 @@ def test_ulysses_a2a_volume():
     assert ulysses_sim.a2a_mb_per_rank(65536, 8, 1, 32, 8, 128) == (0.0, 0.0)
 
 
+def test_ulysses_sim_packed_configs(monkeypatch):
+    """ulysses_sim.py --packed on the CPU (reference backend, every timed step run once): each U x R
+    runs the pack through ringfa4.attention; with R = 1 no document is split at the ring level, with
+    R > 1 the document longer than a ring rank's share is."""
+    import ulysses_sim
+
+    calls = []
+
+    def run_once(fn, sets, rep=200):
+        for s in sets:
+            fn(*s)
+        calls.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(ulysses_sim, "median_ms", run_once)
+    be = get_backend("reference")
+    inp = ulysses_sim.packed_inputs("tiny", [40, 7, 13, 4], (4, 2, 8), device="cpu", dtype=torch.float32)
+    rows = ulysses_sim.config_rows(be, inp, [(4, 1), (4, 2), (4, 4)])
+    want = [(u, 4 // u, p) for u in (1, 2, 4) for p in ("fwd", "fwd+bwd")]
+    assert [(r["U"], r["R"], r["pass"]) for r in rows] == want
+    assert all(r["efficiency"] == 1.0 and r["S"] == 64 for r in rows) and len(calls) == 2 + len(rows)
+    split = {r["R"]: r["split_docs"] for r in rows}
+    assert split[1] == 0 and split[2] >= 1 and split[4] >= 1, split
+
+
 def test_capacity_runs_tiny(tmp_path):
     """benchmarks/capacity.py end to end on a tiny shape (CPU): both modes, host placement, shares."""
     import json
