@@ -84,19 +84,21 @@ def _call_inputs(n: int, p: int, R: int, device: str) -> tuple:
     return q, k, v, do, spec
 
 
-def time_config(be, n: int, p: int, R: int, rounds: int) -> dict:
-    """GPU ms of the forward, the accumulating backward and FA4's own backward of one call."""
-    from _common import sustained_ms
+def time_config(be, n: int, p: int, R: int, rounds: int, device: str = "cuda", measure=None) -> dict:
+    """GPU ms of the forward, the accumulating backward and FA4's own backward of one call
+    (``measure``: ``_common.sustained_ms`` unless given; ``device`` for the CPU test's run)."""
+    if measure is None:
+        from _common import sustained_ms as measure
 
-    q, k, v, do, spec = _call_inputs(n, p, R, "cuda")
+    q, k, v, do, spec = _call_inputs(n, p, R, device)
     out, lse = be.forward(q, k, v, spec)
-    grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v))
+    grads = tuple(torch.zeros(t.shape, dtype=torch.float32, device=device) for t in (q, k, v))
     if not be.backward_accumulate(do, q, k, v, out, lse, spec, grads):
-        raise RuntimeError("the accumulating varlen backward refused the call (needs FA4 on sm90)")
+        raise RuntimeError(f"the accumulating varlen backward of {be.name} refused the call (FA4: sm90 only)")
     fns = {"fwd": lambda: be.forward(q, k, v, spec),
            "bwd": lambda: be.backward_accumulate(do, q, k, v, out, lse, spec, grads),
            "bwd/fa4": lambda: be.backward(do, q, k, v, out, lse, spec)}
-    timed = sustained_ms(fns, rounds=rounds)
+    timed = measure(fns, rounds=rounds)
     return {name: timed[name]["ms"] for name in fns}
 
 

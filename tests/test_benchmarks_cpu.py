@@ -293,6 +293,14 @@ def test_varlen_tile_cost_fit():
     fit = vtc.fit_tile_cost(rows, "bwd")
     assert abs(fit["tile_cost_blocks"] - 15) < 1e-6 and abs(fit["us_per_call"] - 20) < 1e-6
     assert fit["r2"] > 1 - 1e-9 and max(abs(x) for x in fit["residual_ms"]) < 1e-9
+    ran = []
+
+    def once(fns, rounds):  # each timed call run once (the reference backend's accumulating varlen backward)
+        ran.extend(name for name, fn in fns.items() if fn() is not False)
+        return {name: {"ms": 1.0} for name in fns}
+
+    times = vtc.time_config(get_backend("reference"), 8, 24, 3, 1, device="cpu", measure=once)
+    assert times == {"fwd": 1.0, "bwd": 1.0, "bwd/fa4": 1.0} and ran == ["fwd", "bwd", "bwd/fa4"]
 
 
 def test_varlen_sim_ranks_alone():
