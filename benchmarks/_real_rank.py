@@ -149,8 +149,8 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         g = torch.Generator(device="cpu").manual_seed(rank)
         n, (h, hk, d) = spec["tokens"], spec["heads"]
         q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
-        opts = ringfa4.RingOptions(metadata_check=spec.get("metadata_check", "every_call"),
-                                   cuda_graphs=spec.get("graphs", False))
+        opts = ringfa4.RingOptions.from_env().replace(metadata_check=spec.get("metadata_check", "every_call"),
+                                                      cuda_graphs=spec.get("graphs", False))
         # the stub hops: a hop copies this rank's own buffers into its receive buffers
         if spec["hops"] == "loopback":
             cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)

@@ -212,7 +212,8 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
     sets = _dense_inputs(S)
     spec = AttnSpec(causal=True)
     modes = ("eager", "graphs") if args.graphs else ("eager",)
-    cps = {m: ringfa4.ContextParallel.simulated(P, backend=be, options=RingOptions(cuda_graphs=m == "graphs"))
+    base = RingOptions.from_env()  # gpu.sh's variants (RINGFA4_*); graphs per mode
+    cps = {m: ringfa4.ContextParallel.simulated(P, backend=be, options=base.replace(cuda_graphs=m == "graphs"))
            for m in modes}
     steps = active_steps(cps["eager"].run(sets[0][0], spec).schedule)
     rank_steps = P * steps
@@ -259,7 +260,7 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     sets = [[torch.randn(total, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (H, HK, HK, H)]
             for _ in range(2)]
-    cp = ringfa4.ContextParallel.simulated(P, backend=be)
+    cp = ringfa4.ContextParallel.simulated(P, backend=be, options=RingOptions.from_env())
     pack = cp.pack(cu)
     gathered = pack.uses_allgather(H, HK)
     sched = cp.run(sets[0][0], AttnSpec(causal=True), pack.packing, gathered).schedule

@@ -275,7 +275,7 @@ def bench_mix(name: str, worlds, modes, be, rep: int, profile: str | None = None
 
     rows = []
     for P in worlds:
-        cp = ringfa4.ContextParallel.simulated(P, backend=be)
+        cp = ringfa4.ContextParallel.simulated(P, backend=be, options=ringfa4.RingOptions.from_env())
         for mode in modes:
             pack_mode, _, forced = mode.partition("/")  # "balanced/ring": the placement, its K/V forced to travel so
             with without_step5() if pack_mode == "unrefined" else contextlib.nullcontext():
