@@ -16,7 +16,8 @@
 #   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
-#             whether hops hide behind the kernels (hop_overlap.py) (~8 min)
+#             whether hops hide behind the kernels (hop_overlap.py) (~8 min); PART dkv: 4k tokens a rank at P = 4
+#             and 8 with dkv_groups 2 and 1 (host time, launches, efficiency, of calls alone) (~3 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
 #             peak-memory formula's refit (memory_formula.py) and the plot (~5 min); PART 32k: 32 layers, plain
 #             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
@@ -101,6 +102,14 @@ stage_packed() {
 }
 
 stage_host() {
+  if [ "${1:-}" = dkv ]; then  # PART dkv: 4k a rank, one head group against two (launches a rank-step, and the
+    # half-head blocks' wave quantization at short chunks: of calls alone at P = 4 is 0.936 with two), same call
+    for g in 2 1; do
+      RINGFA4_DKV_GROUPS=$g python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --no-baselines \
+        --out "$out/host_cost_dkv${g}_$sfx.json"
+    done
+    return
+  fi
   python3 benchmarks/host_cost.py --tokens 4096,8192,32768 --worlds 4,8 --packed --graphs --real-rank \
     --out "$(name host_cost "$sfx")"
   python3 benchmarks/check_cost.py --worlds 2,4,8 --out "$(name check_cost "$sfx")"
