@@ -270,3 +270,44 @@ def test_solver_is_deterministic_and_keeps_short_documents_whole():
     one = balance_documents((65536,), 8, 128)
     assert one.split == (0,) and one.token_balance() == 1.0 and one.flop_balance() == 1.0
     assert piece_pairs(0, 4) == 10 and piece_pairs(4, 4) == 26
+
+
+def test_solver_shortcuts_change_no_placement():
+    """The zigzag search's two shortcuts place every document where the plain rules do: split loads
+    resumed from a memo shared by candidates (prefixes asked in any order) equal those worked out
+    afresh, within the bounds or not; whole documents scanned in load order go where scoring every
+    rank in rank order sends them (the least raise of max(tokens / T, pairs / F), the lowest rank among
+    equal ones), ties included (documents of equal lengths on equal loads)."""
+    from ringfa4.parallel import dispatch
+
+    rnd = random.Random(11)
+    for trial in range(40):
+        P = rnd.choice([2, 3, 8, 16, 64])
+        tile = rnd.choice([1, 8, 128])
+        if trial % 4 == 0:
+            lengths = [rnd.choice([64, 256]) for _ in range(rnd.randint(P, 5 * P))]  # many ties
+        else:
+            lengths = [int(2 ** rnd.uniform(0, 16)) for _ in range(rnd.randint(2, 120))]
+        S = sum(lengths)
+        means = (S / P, sum(L * (L + 1) // 2 for L in lengths) / P)
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        split = [(i, lengths[i], rnd.randint(2, P)) for i in order[:rnd.randint(1, min(12, len(order)))]]
+        for limits in ((TOKEN_BOUND, FLOP_BOUND), (1.5, 1.5), None):
+            memo = dispatch._SplitMemo()
+            for n in rnd.sample(range(len(split) + 1), len(split) + 1):
+                assert (dispatch._split_loads(split[:n], P, tile, means, limits, memo)
+                        == dispatch._split_loads(split[:n], P, tile, means, limits)), (trial, n, limits)
+        holders = {i: m for i, _, m in split[:rnd.randint(0, len(split))]}
+        placed = dispatch._place(order, lengths, holders, P, tile, means)
+        tok, fl, _ = dispatch._split_loads([(i, lengths[i], holders[i]) for i in order if i in holders], P, tile,
+                                           means, None)
+        owners = [-1 if i in holders else 0 for i in range(len(lengths))]
+        for i in order:  # the plain rule: every rank scored, in rank order
+            if i in holders:
+                continue
+            L, c = lengths[i], lengths[i] * (lengths[i] + 1) // 2
+            costs = [max((tok[r] + L) * (1.0 / means[0]), (fl[r] + c) * (1.0 / means[1])) for r in range(P)]
+            owners[i] = costs.index(min(costs))
+            tok[owners[i]] += L
+            fl[owners[i]] += c
+        assert placed[0] == owners and placed[1] == tok and placed[2] == fl, trial

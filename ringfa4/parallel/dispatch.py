@@ -68,15 +68,21 @@ cross-rank check compares those). Its time goes into placing every whole documen
 so a candidate stops as soon as a rank goes over a bound (loads only grow: its score would be over
 1, the very test the search applies), and the fill stops once it cannot end within the bounds; the
 search visits the same candidates as without these shortcuts (the fitting k is not monotone, so a
-search that skips candidates changes placements). On the 2-CPU build machine
-(``benchmarks/solver_time.py``, P = 8): 1.4 ms for 1,000 short documents (all whole: the fill is not
-built), 3.9 ms for 999 of them beside one of 2M tokens, which must be split, 12 ms beside ten of
-0.2M-2M (24 ms at P = 64), 283 ms for a log-uniform 128-2M tail at P = 64. The fill scores its last few
+search that skips candidates changes placements). Two more shortcuts that change no placement: the
+candidates that split the same first documents the same way (the k longest over P ranks, for each k
+the search tries) share the split documents' loads by prefix (:class:`_SplitMemo`), and a whole
+document's rank is found scanning the ranks by load, stopping once no rank left can raise less. On
+the 2-CPU build machine (``benchmarks/solver_time.py``, P = 8): 1.3 ms for 1,000 short documents (all
+whole: the fill is not built; 2.4 ms at P = 64), 2.6 ms for 999 of them beside one of 2M tokens, which
+must be split (11 ms at P = 64), 11 ms beside ten of 0.2M-2M (24 ms at P = 64), 86 ms for a
+log-uniform 128-2M tail at P = 64 (283 ms before the two shortcuts). The fill scores its last few
 choices of a rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs
 takes the longest that fits.
 """
 
 from __future__ import annotations
+
+import bisect
 
 from .dispatch_fill import fill_placement
 from .doc_placement import DocPlacement, piece_bounds, piece_pairs, tile_pairs
@@ -98,37 +104,81 @@ def _piece_pairs_of(L: int, m: int, tile: int) -> list[tuple[int, int]]:
     return [tuple(sorted((by_cost[j], by_cost[2 * m - 1 - j]))) for j in range(m)]
 
 
+class _SplitMemo:
+    """The states :func:`_split_loads` reached after each prefix of a split list, within one solve
+    (the same means and limits): candidates that split the same first documents the same way (the
+    k longest over P ranks each, for every k the search tries) resume from the longest prefix done
+    instead of placing it again. A prefix is a chain of ids: ``ids[(parent, (doc, L, m))]``; its state
+    ``(tok, fl, parent, doc, held)``, or None where a rank went over the limits within it."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+        self.states: list = [None]  # id 0: the empty prefix (its state is set by the first use)
+
+    def longest(self, split: list[tuple[int, int, int]]) -> tuple[int, int]:
+        """``(id, n)``: the longest prefix of ``split`` already placed (n documents; id 0, n 0: none)."""
+        at = n = 0
+        for item in split:
+            nxt = self.ids.get((at, item))
+            if nxt is None:
+                break
+            at, n = nxt, n + 1
+        return at, n
+
+    def add(self, parent: int, item: tuple[int, int, int], state) -> int:
+        self.states.append(state)
+        self.ids[(parent, item)] = len(self.states) - 1
+        return len(self.states) - 1
+
+    def pieces(self, at: int) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """The pieces each document of prefix ``at`` gave each rank."""
+        out = {}
+        while at:
+            _, _, parent, doc, held = self.states[at]
+            out[doc] = held
+            at = parent
+        return out
+
+
 def _split_loads(split: list[tuple[int, int, int]], P: int, tile: int, means: tuple[float, float],
-                 limits: tuple[float, float] | None):
+                 limits: tuple[float, float] | None, memo: _SplitMemo | None = None):
     """Documents ``split`` = [(doc, length, m)], longest first, each cut into 2m pieces: per rank
     (tokens, pairs) and per document the two pieces each rank holds. A document's pairs of pieces,
     dearest first, each go to the rank (without one of this document yet; ties: the lowest) whose
-    load it raises least. None as soon as a rank goes over ``limits`` (token, FLOP bound: :func:`_over`)."""
-    tok, fl = [0] * P, [0] * P
-    pieces_of: dict[int, tuple[tuple[int, ...], ...]] = {}
+    load it raises least. None as soon as a rank goes over ``limits`` (token, FLOP bound: :func:`_over`).
+    ``memo``: the states of prefixes placed before in this solve (:class:`_SplitMemo`)."""
+    memo = memo if memo is not None else _SplitMemo()
+    at, done = memo.longest(split)
+    if at and memo.states[at] is None:  # a prefix already went over the limits
+        return None
+    tok, fl = (list(memo.states[at][0]), list(memo.states[at][1])) if at else ([0] * P, [0] * P)
     it, iff = 1.0 / means[0], 1.0 / means[1]
-    for doc, L, m in split:
+    for doc, L, m in split[done:]:
         bounds = piece_bounds(L, 2 * m, tile)
         pairs = _piece_pairs_of(L, m, tile)
         cost = [(bounds[a][1] + bounds[b][1], piece_pairs(*bounds[a]) + piece_pairs(*bounds[b])) for a, b in pairs]
         held: list = [()] * P
         free = list(range(P))  # ascending, so the first of equal raises is the lowest rank
+        over = False
         for j in sorted(range(m), key=lambda j: (-max(cost[j][0] * it, cost[j][1] * iff), j)):
             dt, df = cost[j]
-            at, least = 0, float("inf")
+            at_r, least = 0, float("inf")
             for idx, r in enumerate(free):
                 a, b = (tok[r] + dt) * it, (fl[r] + df) * iff
                 raised = a if a > b else b
                 if raised < least:
-                    at, least = idx, raised
-            r = free.pop(at)
+                    at_r, least = idx, raised
+            r = free.pop(at_r)
             held[r] = pairs[j]
             tok[r] += dt
             fl[r] += df
             if _over(tok[r], fl[r], means, limits):
-                return None
-        pieces_of[doc] = tuple(held)
-    return tok, fl, pieces_of
+                over = True
+                break
+        at = memo.add(at, (doc, L, m), None if over else (tuple(tok), tuple(fl), at, doc, tuple(held)))
+        if over:
+            return None
+    return tok, fl, memo.pieces(at)
 
 
 def _over(tok: int, fl: int, means: tuple[float, float], bounds: tuple[float, float] | None) -> bool:
@@ -139,37 +189,48 @@ def _over(tok: int, fl: int, means: tuple[float, float], bounds: tuple[float, fl
 
 
 def _place(order, lengths, holders: dict[int, int], P: int, tile: int, means: tuple[float, float],
-           bounds: tuple[float, float] | None = None):
+           bounds: tuple[float, float] | None = None, memo: _SplitMemo | None = None):
     """Owners (-1 split), per-rank loads and split pairs with the documents of ``holders`` (doc ->
     m >= 2, in ``order``) split over m ranks each, the rest whole. With ``bounds`` (token, FLOP),
     None as soon as a rank goes over them: the candidate is out of the bounds (loads only grow),
-    and the rest of its placement is not worked out."""
+    and the rest of its placement is not worked out. ``memo``: :func:`_split_loads`' (same bounds)."""
     owner = [0] * len(lengths)
     for i in holders:
         owner[i] = -1
     split = [(i, lengths[i], holders[i]) for i in order if i in holders]
-    loads = _split_loads(split, P, tile, means, bounds)
+    loads = _split_loads(split, P, tile, means, bounds, memo)
     if loads is None:
         return None
     tok, fl, pieces_of = loads
     it, iff = 1.0 / means[0], 1.0 / means[1]
-    ranks = range(P)
+    # The ranks by load max(tok / T, pairs / F): a document's raise max((tok + L) / T, (fl + c) / F) is at
+    # least a rank's load plus min(L / T, c / F), so the scan stops at the first rank (by load) whose load
+    # plus that passes the best raise found (a margin of 1e-9 for rounding): the same rank as scoring all
+    # P in rank order (the least raise, the lowest rank among equal ones), a few scored instead of P.
+    load = [max(t * it, f * iff) for t, f in zip(tok, fl)]
+    by_load = sorted((x, r) for r, x in enumerate(load))
     for i in order:
         if i in holders:
             continue
         L = lengths[i]
         c = L * (L + 1) // 2
+        lo = min(L * it, c * iff)
         best, best_cost = 0, float("inf")
-        for r in ranks:
+        for x, r in by_load:
+            if x + lo > best_cost * (1.0 + 1e-9):
+                break
             a, b = (tok[r] + L) * it, (fl[r] + c) * iff
             cost = a if a > b else b
-            if cost < best_cost:
+            if cost < best_cost or (cost == best_cost and r < best):
                 best, best_cost = r, cost
         owner[i] = best
         tok[best] += L
         fl[best] += c
         if bounds is not None and _over(tok[best], fl[best], means, bounds):
             return None
+        del by_load[bisect.bisect_left(by_load, (load[best], best))]
+        load[best] = max(tok[best] * it, fl[best] * iff)
+        bisect.insort(by_load, (load[best], best))
     return owner, tok, fl, pieces_of
 
 
@@ -320,12 +381,13 @@ def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float =
     nonzero = sum(1 for L in lengths if L > 0)
     k_min = sum(1 for L in lengths if L > token_bound * means[0])
     seen: dict[tuple, tuple] = {}  # holders -> (placement, or None: out of the bounds; spread; holders)
+    memo = _SplitMemo()  # the split documents' loads by prefix, shared by the candidates
 
     def ok(holders: dict[int, int]) -> bool:
         key = tuple(sorted(holders.items()))
         if key not in seen:
             spread = sum(m * lengths[i] for i, m in holders.items())
-            seen[key] = (_place(order, lengths, holders, P, tile, means, bounds), spread, holders)
+            seen[key] = (_place(order, lengths, holders, P, tile, means, bounds, memo), spread, holders)
         return seen[key][0] is not None
 
     k_split = lambda k: {i: P for i in order[:k]}  # noqa: E731
