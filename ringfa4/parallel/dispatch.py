@@ -113,7 +113,7 @@ class _SplitMemo:
 
     def __init__(self) -> None:
         self.ids: dict[tuple, int] = {}
-        self.states: list = [None]  # id 0: the empty prefix (its state is set by the first use)
+        self.states: list = [None]  # id 0: the empty prefix (zero loads, no pieces)
 
     def longest(self, split: list[tuple[int, int, int]]) -> tuple[int, int]:
         """``(id, n)``: the longest prefix of ``split`` already placed (n documents; id 0, n 0: none)."""
