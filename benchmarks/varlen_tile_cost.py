@@ -18,7 +18,10 @@ at least ``--waves`` x 132 tiles a pass. A shallow long piece is mostly blocks; 
 
 timed by ``_common.sustained_ms`` (a loaded GPU, each call behind an L2 flush). Per pass the least-
 squares fit ``ms = a x blocks + b x tiles + c`` over the configurations gives the tile cost ``b / a``
-in block units (and each configuration's residual). ``tile_schedule.py --tile-cost`` takes it.
+in block units (and each configuration's residual). ``tile_schedule.py --tile-cost`` takes it. A
+backward's key tiles go with its key rows (128 a tile), so its tile term also holds the passes over
+every key row (the unpad of the fp32 dK/dV; FA4's own dK/dV postprocess): what a placement pays per
+key tile either way, not the main kernel's alone.
 
     python3 benchmarks/varlen_tile_cost.py [--out benchmarks/results/varlen_tile_cost_h200.json]
 
