@@ -54,6 +54,7 @@ class Inputs(NamedTuple):
 
 
 def dense_inputs(S: int, h: int, hk: int, d: int) -> Inputs:
+    """One dense sequence of ``S`` tokens: ``(1, S, n, d)`` bf16 tensors on the GPU, causal."""
     g = torch.Generator(device="cuda").manual_seed(0)
     sets = [[torch.randn(1, S, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in (h, hk, hk, h)]
             for _ in range(2)]
