@@ -36,15 +36,19 @@ With ``S`` tokens, ``T = S / P`` and ``F`` = the pack's pairs / P (the means), t
    it (ties: the lowest rank): the longest-processing-time rule, whose result on FLOPs is at most
    ``F`` plus the largest whole document's pairs (the last document placed on the busiest rank
    started below the mean), plus what the split documents leave uneven;
-3. candidates: the ``k`` longest documents split over all P ranks, the smallest ``k`` (from the
-   documents that cannot be whole: longer than the token cap) whose placement is within
-   ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F`` (defaults 1.08 and
-   1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling then bisection; and,
-   where that splits anything, every document over ``m = ceil(c x max(L / T, pairs / F))`` ranks
-   (at most P; whole where m = 1) for the first spread ``c`` of :data:`SPREADS` within the bounds;
+3. candidates (when not every document can stay whole within the bounds): every document over
+   ``m = ceil(c x max(L / T, pairs / F))`` ranks (at most P; whole where m = 1) for the first spread
+   ``c`` of :data:`SPREADS` within the bounds; then the ``k`` longest documents split over all P
+   ranks, the smallest ``k`` (from the documents that cannot be whole: longer than the token cap)
+   whose placement is within ``max_tokens <= token_bound x T`` and ``max_pairs <= flop_bound x F``
+   (defaults 1.08 and 1.04: under the 1.10 / 1.05 the benchmarks report), searched by doubling then
+   bisection. A candidate that spreads more than one already within the bounds (step 4's order)
+   cannot be kept, so the search takes it as within the bounds without placing it: the search then
+   looks at fewer split documents, never at more;
 4. keeps, of the candidates within the bounds, the one with the least ``sum m x L`` (ties: fewer
-   split documents); if none is within them (tiny packs, tile rounding) the evaluated placement
-   with the smallest ``max(tokens / T, pairs / F)``.
+   split documents, then the lesser ``(doc, m)`` list); if none is within them (tiny packs, tile
+   rounding) the evaluated placement with the smallest ``max(tokens / T, pairs / F)`` (ties: the
+   same order).
 
 Where that splits a document and the pack has two documents or more, the fill candidate is built
 too and kept if it is within the same bounds and spreads fewer key rows (ties: fewer pieces), or
@@ -66,19 +70,18 @@ so it runs the dense ring).
 Pure integer work (and float ratios), the same on every rank given the same cu_seqlens (the
 cross-rank check compares those). Its time goes into placing every whole document per candidate,
 so a candidate stops as soon as a rank goes over a bound (loads only grow: its score would be over
-1, the very test the search applies), and the fill stops once it cannot end within the bounds; the
-search visits the same candidates as without these shortcuts (the fitting k is not monotone, so a
-search that skips candidates changes placements). Two more shortcuts that change no placement: the
-candidates that split the same first documents the same way (the k longest over P ranks, for each k
-the search tries) share the split documents' loads by prefix (:class:`_SplitMemo`), and a whole
-document's rank is found scanning the ranks by load, stopping once no rank left can raise less. On
-the 2-CPU build machine (``benchmarks/solver_time.py``, P = 8): 1.3 ms for 1,000 short documents (all
-whole: the fill is not built; 2.4 ms at P = 64), 2.6 ms for 999 of them beside one of 2M tokens, which
-must be split (11 ms at P = 64), 11 ms beside ten of 0.2M-2M (24 ms at P = 64), 86 ms for a
-log-uniform 128-2M tail at P = 64 (283 ms before the two shortcuts). The fill scores its last few
-choices of a rank only: a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs
-takes the longest that fits.
-"""
+1, the very test the search applies), and the fill stops once it cannot end within the bounds.
+Shortcuts that change no placement: the candidates that split the same first documents the same
+way (the k longest over P ranks, for each k the search tries) share the split documents' loads by
+prefix (:class:`_SplitMemo`); a whole document's rank, and a split document's pair's, is found
+scanning the ranks by load, stopping once no rank left can raise less; step 5 weighs boundaries in
+the order of the most a move there can gain; the fill gives a rank the whole documents far smaller
+than its need in one go. On the 2-CPU build machine (``benchmarks/solver_time.py``, 1,000
+documents, P = 8): 1.0 ms all short and whole (2.1 ms at P = 64), 2.0 ms beside one of 2M tokens,
+which must be split (7 ms at P = 64), 4.3 ms beside ten of 0.2M-2M (16 ms at P = 64), 1.2 ms for
+a log-uniform 128-2M tail (9 ms at P = 64). The fill scores its last few choices of a rank only:
+a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs takes the longest that
+fits."""
 
 from __future__ import annotations
 
@@ -158,17 +161,26 @@ def _split_loads(split: list[tuple[int, int, int]], P: int, tile: int, means: tu
         pairs = _piece_pairs_of(L, m, tile)
         cost = [(bounds[a][1] + bounds[b][1], piece_pairs(*bounds[a]) + piece_pairs(*bounds[b])) for a, b in pairs]
         held: list = [()] * P
-        free = list(range(P))  # ascending, so the first of equal raises is the lowest rank
+        # The ranks without a piece of this document, by load: scanned as in _place (a pair's raise is
+        # at least a rank's load plus min(dt / T, df / F)), the least raise, the lowest rank among equal ones.
+        # Ranks of equal loads sit together (empty ones, say): of those only the first (lowest) is scored.
+        free = sorted((max(tok[r] * it, fl[r] * iff), tok[r], fl[r], r) for r in range(P))
         over = False
         for j in sorted(range(m), key=lambda j: (-max(cost[j][0] * it, cost[j][1] * iff), j)):
             dt, df = cost[j]
-            at_r, least = 0, float("inf")
-            for idx, r in enumerate(free):
-                a, b = (tok[r] + dt) * it, (fl[r] + df) * iff
+            lo = min(dt * it, df * iff)
+            at_r, r, least, last = 0, 0, float("inf"), None
+            for idx, (x, t, f, q) in enumerate(free):
+                if x + lo > least * (1.0 + 1e-9):
+                    break
+                if (t, f) == last:
+                    continue
+                last = t, f
+                a, b = (t + dt) * it, (f + df) * iff
                 raised = a if a > b else b
-                if raised < least:
-                    at_r, least = idx, raised
-            r = free.pop(at_r)
+                if raised < least or (raised == least and q < r):
+                    at_r, r, least = idx, q, raised
+            del free[at_r]
             held[r] = pairs[j]
             tok[r] += dt
             fl[r] += df
@@ -209,28 +221,31 @@ def _place(order, lengths, holders: dict[int, int], P: int, tile: int, means: tu
     # P in rank order (the least raise, the lowest rank among equal ones), a few scored instead of P.
     load = [max(t * it, f * iff) for t, f in zip(tok, fl)]
     by_load = sorted((x, r) for r, x in enumerate(load))
+    inf, margin = float("inf"), 1.0 + 1e-9
+    (m0, m1), (b0, b1) = means, bounds if bounds is not None else (inf, inf)
+    left, insort = bisect.bisect_left, bisect.insort
     for i in order:
         if i in holders:
             continue
         L = lengths[i]
         c = L * (L + 1) // 2
-        lo = min(L * it, c * iff)
-        best, best_cost = 0, float("inf")
+        lo = L * it if L * it < c * iff else c * iff
+        best, best_cost = 0, inf
         for x, r in by_load:
-            if x + lo > best_cost * (1.0 + 1e-9):
+            if x + lo > best_cost * margin:
                 break
             a, b = (tok[r] + L) * it, (fl[r] + c) * iff
             cost = a if a > b else b
             if cost < best_cost or (cost == best_cost and r < best):
                 best, best_cost = r, cost
         owner[i] = best
-        tok[best] += L
-        fl[best] += c
-        if bounds is not None and _over(tok[best], fl[best], means, bounds):
+        t, f = tok[best] + L, fl[best] + c
+        tok[best], fl[best] = t, f
+        if t / m0 / b0 > 1.0 or f / m1 / b1 > 1.0:  # _over, inlined (the same float operations)
             return None
-        del by_load[bisect.bisect_left(by_load, (load[best], best))]
-        load[best] = max(tok[best] * it, fl[best] * iff)
-        bisect.insort(by_load, (load[best], best))
+        del by_load[left(by_load, (load[best], best))]
+        load[best] = a = t * it if t * it > f * iff else f * iff
+        insort(by_load, (a, best))
     return owner, tok, fl, pieces_of
 
 
@@ -295,47 +310,69 @@ def refine_boundaries(placement: DocPlacement, lengths: list[int], means: tuple[
     within the token bound and, in exact pairs, the FLOP bound. Pieces never become empty. It stops
     once the most on a rank is within ``even`` (x the mean) of the mean: a move trades tokens for
     pairs, and past that the tokens (activation memory, every other layer's time) are worth more.
-    Every move weighs all boundaries, ``budget`` of them in all (at most about 4 ms of host time
-    on the build machine): hundreds of pieces (every document split, evened by its zigzag
-    already) get a few moves, tens of pieces all they need."""
+    Each move is chosen among all boundaries (weighed in the order of the most a move there can
+    gain, ``(f_a - f_b)^2 / 4``, until that is under the best found), with at most ``budget /
+    boundaries`` moves: hundreds of pieces (every document split, evened by its zigzag already) get
+    a few moves, tens of pieces all they need."""
     t, P = placement.tile, placement.world_size
     cap, pair_cap = token_bound * means[0], flop_bound * means[1]
     tok, fl, work = list(placement.tokens), list(placement.pairs), [0] * P
     for d, L in enumerate(lengths):
-        if placement.owner[d] >= 0:
-            work[placement.owner[d]] += tile_pairs(0, L, t)
+        if placement.owner[d] >= 0:  # tile_pairs(0, L, t): q (q + 1) / 2 blocks of q = ceil(L / t) query tiles
+            q = -(-L // t)
+            work[placement.owner[d]] += t * t * (q * (q + 1) // 2)
         else:
             for r, held in enumerate(placement.split_pieces[d]):
                 work[r] += sum(tile_pairs(*placement.piece_table[d][j], t) for j in held)
     enough = (1.0 + even) * sum(work) / P
     tables = {d: [list(b) for b in placement.piece_table[d]] for d in placement.split}
-    bounds = [(d, i, a, b) for d in tables for i in range(len(tables[d]) - 1)
-              for a, b in [(_holder(placement, d, i), _holder(placement, d, i + 1))] if a != b and a >= 0 and b >= 0]
+    bounds = []
+    for d in tables:
+        holder = [-1] * len(tables[d])  # per piece, the rank holding it
+        for r, held in enumerate(placement.split_pieces[d]):
+            for j in held:
+                holder[j] = r
+        bounds += [(d, i, holder[i], holder[i + 1]) for i in range(len(holder) - 1)
+                   if holder[i] != holder[i + 1] and holder[i] >= 0 and holder[i + 1] >= 0]
+
+    def best_move(d: int, i: int, a: int, b: int) -> tuple | None:
+        """The move across boundary i of document d that lowers the sum of squares most (None: none)."""
+        left, right = tables[d][i], tables[d][i + 1]
+        if not (left[1] and right[1]):  # an empty piece stays empty (and its neighbour the last)
+            return None
+        x = right[0]
+        if work[b] > work[a] and right[1] > t:  # rows [x, x + n) from b to a
+            src, dst, most, down = b, a, (right[1] - 1) // t * t, False
+        elif work[a] > work[b] and left[1] > t:  # rows [x - n, x) from a to b
+            src, dst, most, down = a, b, left[1] - t, True
+        else:
+            return None
+        most = min(most, int((cap - tok[dst]) // t) * t)
+        move = None
+        for n in _even_rows(x, work[src] - work[dst], t, most, down):
+            at = x - n if down else x
+            gain, exact = tile_pairs(at, n, t), piece_pairs(at, n)
+            drop = gain * (work[src] - work[dst] - gain)
+            if drop > 0 and fl[dst] + exact <= pair_cap and (move is None or drop > move[0]):
+                move = (drop, d, i, src, dst, gain, exact, -n if down else n)
+        return move
+
+    # A move lowers the sum of squares by g (f_src - f_dst - g) <= (f_src - f_dst)^2 / 4: boundaries are
+    # weighed in the order of that bound (ties: the first), until the bound is under the best drop found.
     for _ in range(budget // max(1, len(bounds))):
         if max(work) <= enough:
             break
-        move = None
-        for d, i, a, b in bounds:
-            left, right = tables[d][i], tables[d][i + 1]
-            if not (left[1] and right[1]):  # an empty piece stays empty (and its neighbour the last)
-                continue
-            x = right[0]
-            if work[b] > work[a] and right[1] > t:  # rows [x, x + n) from b to a
-                src, dst, most, down = b, a, (right[1] - 1) // t * t, False
-            elif work[a] > work[b] and left[1] > t:  # rows [x - n, x) from a to b
-                src, dst, most, down = a, b, left[1] - t, True
-            else:
-                continue
-            most = min(most, int((cap - tok[dst]) // t) * t)
-            for n in _even_rows(x, work[src] - work[dst], t, most, down):
-                at = x - n if down else x
-                gain, exact = tile_pairs(at, n, t), piece_pairs(at, n)
-                drop = gain * (work[src] - work[dst] - gain)
-                if drop > 0 and fl[dst] + exact <= pair_cap and (move is None or drop > move[0]):
-                    move = (drop, d, i, src, dst, gain, exact, -n if down else n)
+        bound = [(work[a] - work[b]) ** 2 for _, _, a, b in bounds]
+        move = None  # the largest drop; ties: the first boundary
+        for k in sorted(range(len(bounds)), key=lambda k: -bound[k]):
+            if move is not None and bound[k] < 4 * move[0]:
+                break
+            m = best_move(*bounds[k])
+            if m is not None and (move is None or m[0] > move[0] or (m[0] == move[0] and k < move[-1])):
+                move = m + (k,)
         if move is None:
             break
-        _, d, i, src, dst, gain, exact, shift = move
+        _, d, i, src, dst, gain, exact, shift, _ = move
         tables[d][i][1] += shift
         tables[d][i + 1][0] += shift
         tables[d][i + 1][1] -= shift
@@ -360,9 +397,24 @@ def _even_rows(x: int, diff: int, tile: int, most: int, down: bool) -> tuple[int
     return tuple(sorted({lo, min(most, lo + tile)}))
 
 
-def _holder(placement: DocPlacement, doc: int, piece: int) -> int:
-    """The rank holding piece ``piece`` of split document ``doc`` (-1: none)."""
-    return next((r for r, held in enumerate(placement.split_pieces[doc]) if piece in held), -1)
+def _search_k(fits, k_min: int, k_max: int) -> None:
+    """Step 3's k search: ``fits(k)`` (the k longest documents split over all P ranks within the
+    bounds?) asked at ``k_min``, then doubling steps up to ``k_max``, then bisection of the bracket
+    found (what the caller keeps is in the answers it recorded)."""
+    if fits(k_min):
+        return
+    lo, step, hi = k_min, 1, None  # lo fails
+    while lo + step <= k_max:
+        if fits(lo + step):
+            hi = lo + step
+            break
+        lo, step = lo + step, step * 2
+    if hi is None and fits(k_max):
+        hi = k_max
+    if hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
 
 
 def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float = TOKEN_BOUND,
@@ -380,47 +432,42 @@ def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float =
     order = [i for i in order if lengths[i] > 0] + [i for i in order if lengths[i] == 0]
     nonzero = sum(1 for L in lengths if L > 0)
     k_min = sum(1 for L in lengths if L > token_bound * means[0])
-    seen: dict[tuple, tuple] = {}  # holders -> (placement, or None: out of the bounds; spread; holders)
+    seen: dict[tuple, tuple] = {}  # holders -> (placement, or None: out of the bounds; (spread, split count); holders)
     memo = _SplitMemo()  # the split documents' loads by prefix, shared by the candidates
+    least: list = []  # the least (spread, split count) of a candidate within the bounds so far
 
     def ok(holders: dict[int, int]) -> bool:
         key = tuple(sorted(holders.items()))
         if key not in seen:
-            spread = sum(m * lengths[i] for i, m in holders.items())
-            seen[key] = (_place(order, lengths, holders, P, tile, means, bounds, memo), spread, holders)
+            rank_key = (sum(m * lengths[i] for i, m in holders.items()), len(holders))
+            if least and rank_key > least[0]:  # cannot win: answered "within" without placing it
+                return True
+            seen[key] = (_place(order, lengths, holders, P, tile, means, bounds, memo), rank_key, holders)
+            if seen[key][0] is not None and (not least or rank_key < least[0]):
+                least[:] = [rank_key]
         return seen[key][0] is not None
 
-    k_split = lambda k: {i: P for i in order[:k]}  # noqa: E731
-    if not ok(k_split(k_min)):  # the least k within the bounds: doubling, then bisection
-        lo, step, hi = k_min, 1, None  # lo fails
-        while lo + step <= nonzero:
-            if ok(k_split(lo + step)):
-                hi = lo + step
-                break
-            lo, step = lo + step, step * 2
-        if hi is None and ok(k_split(nonzero)):
-            hi = nonzero
-        if hi is not None:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if ok(k_split(mid)) else (mid, hi)
-    feasible = [v for v in seen.values() if v[0] is not None]
-    if any(v[2] for v in feasible) or not feasible:
+    if k_min == 0 and ok({}):  # everything whole within the bounds: nothing can spread less
+        placed, holders = seen[()][0], {}
+    else:
         needs = _split_needs(lengths, means, token_bound)
         for c in SPREADS:  # split documents over fewer ranks: the first spread within the bounds
             if ok(_subset_holders(needs, P, c)):
                 break
+        _search_k(lambda k: ok({i: P for i in order[:k]}), k_min, nonzero)
         feasible = [v for v in seen.values() if v[0] is not None]
-    if feasible:
-        placed, _, holders = min(feasible, key=lambda v: (v[1], len(v[2])))
-    else:  # none within the bounds (tiny packs, tile rounding): the one closest to them, placed whole
-        def score(v: tuple) -> tuple[float, int]:
+        placed = holders = None
+        if feasible:
+            placed, _, holders = min(feasible, key=lambda v: (v[1], tuple(sorted(v[2].items()))))
+    if placed is None:  # none within the bounds (tiny packs, tile rounding): the one closest to them, placed whole
+        def score(v: tuple) -> tuple:
             _, tok, fl, _ = _place(order, lengths, v[2], P, tile, means)
-            return max(max(tok) / means[0] / token_bound, max(fl) / means[1] / flop_bound), v[1]
+            return (max(max(tok) / means[0] / token_bound, max(fl) / means[1] / flop_bound), v[1],
+                    tuple(sorted(v[2].items())))
         holders = min(seen.values(), key=score)[2]
         placed = _place(order, lengths, holders, P, tile, means)
     owner, tok, fl, pieces_of = placed
     table = tuple(tuple(piece_bounds(lengths[i], 2 * holders[i], tile)) if i in holders else ()
                   for i in range(len(lengths)))
     return DocPlacement(tuple(owner), P, tile, tuple(tok), tuple(fl),
-                        tuple(pieces_of.get(i, ()) for i in range(len(lengths))), table), bool(feasible)
+                        tuple(pieces_of.get(i, ()) for i in range(len(lengths))), table), bool(least)

@@ -97,10 +97,6 @@ class _Filler:
         that leave a need the rest can still meet; None if none."""
         dt, df = need
         start, fits = self.first_within(dt + _TOKEN_SLACK * self.T), []
-        if start < len(self.portions):  # far from full: the longest that fits, unscored (the last few balance)
-            _, a, b = self.portions[start]
-            if _FAR * (b - a) <= dt and _FAR * _span_pairs(a, b) <= df:
-                return start
         for idx in range(start, len(self.portions)):
             _, a, b = self.portions[idx]
             n, c = b - a, _span_pairs(a, b)
@@ -114,6 +110,25 @@ class _Filler:
                 return idx
             # else the rank would be left short of pairs nothing can give
         return None
+
+    def far_run(self, start: int, r: int, target: tuple[float, float]) -> int:
+        """Portions ``start``, ``start + 1``, ... to rank ``r`` whole, as long as each is under
+        ``1 / _FAR`` of the rank's need (tokens and pairs) and the rank still needs some: what the
+        loop of :meth:`rank` does one portion at a time (the next one is the longest that fits
+        then), in one go. How many it placed (0: the portion at ``start`` is not one of those)."""
+        end, tok, fl, half, least = start, self.tok[r], self.fl[r], self.tile / 2, 0.005 * target[1]
+        while end < len(self.portions):
+            _, a, b = self.portions[end]
+            n, c = b - a, _span_pairs(a, b)
+            if _FAR * n > target[0] - tok or _FAR * c > target[1] - fl:
+                break
+            tok, fl, end = tok + n, fl + c, end + 1
+            if target[0] - tok < half or target[1] - fl < least:
+                break
+        for doc, a, b in self.portions[start:end]:
+            self.put(r, doc, a, b)
+        del self.portions[start:end]
+        return end - start
 
     def head_tail(self, idx: int, rows: int, pairs: float) -> list[tuple[int, int]] | None:
         """A head ``[a, a+n1)`` and a tail ``[b-n2, b)`` of portion ``idx`` with ``n1 + n2 = rows``
@@ -175,6 +190,8 @@ class _Filler:
             need = (target[0] - self.tok[r], target[1] - self.fl[r])
             if need[0] < self.tile / 2 or need[1] < 0.005 * target[1]:
                 return
+            if self.far_run(self.first_within(need[0] + _TOKEN_SLACK * self.T), r, target):
+                continue
             idx = self.whole(r, need, target)
             if idx is not None:
                 _, a, b = self.portions[idx]

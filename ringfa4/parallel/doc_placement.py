@@ -44,9 +44,9 @@ class DocPlacement:
     """Where each document of a pack lives.
 
     owner: per document, the rank holding it whole, or -1 when it is split; world_size: P; tile:
-    the split pieces' alignment; tokens / pairs: per rank, the rows and the causal pairs its
-    kernels compute (:func:`tile_pairs` at ``tile``; exact pairs with a tile of 1) this placement
-    gives (the balance reached); piece_table: per document the ``(start, size)`` of its pieces in
+    the split pieces' alignment; tokens / pairs: per rank, the rows and the exact causal
+    pairs (:func:`piece_pairs`; the kernels compute :func:`tile_pairs` at ``tile``, a little more)
+    this placement gives (the balance reached); piece_table: per document the ``(start, size)`` of its pieces in
     position order (empty for whole documents); split_pieces: per document, per rank, the indices
     into ``piece_table[doc]`` of the pieces it holds, in position order (empty where it holds none,
     and for whole documents). Zigzag candidates give every holder two pieces ``(j, 2m-1-j)`` of
