@@ -217,3 +217,21 @@ def test_fill_gives_far_smaller_documents_in_one_go(monkeypatch):
     plain = [dispatch_fill.fill_placement(L, P, tile, _means(L, P)) for L, P, tile in packs]
     assert batched == plain
     assert sum(1 for pl in plain if pl is not None and pl.split) >= 20
+
+
+def test_split_needs_prefilter_keeps_every_document_a_spread_splits():
+    """``_split_needs`` skips documents under a length bound without working out their need: the same
+    list as testing every document (over the token cap, or over T / c or F / c pairs at the largest
+    spread c), documents right at the bounds included."""
+    rnd = random.Random(53)
+    for trial in range(200):
+        P = rnd.choice([2, 4, 8, 64])
+        lengths = _random_pack(rnd, trial, P)
+        means = _means(lengths, P)
+        c = dispatch.SPREADS[-1]
+        lengths += [int(means[0] / c), int(means[0] / c) + 1, int((2 * means[1] / c) ** 0.5), 0]
+        means = _means(lengths, P)
+        plain = [(i, max(L / means[0], L * (L + 1) / 2 / means[1]), L > TOKEN_BOUND * means[0])
+                 for i, L in enumerate(lengths) if L > 0]
+        plain = [x for x in plain if x[2] or c * x[1] > 1]
+        assert dispatch._split_needs(lengths, means, TOKEN_BOUND) == plain, trial

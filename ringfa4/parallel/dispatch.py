@@ -77,9 +77,9 @@ prefix (:class:`_SplitMemo`); a whole document's rank, and a split document's pa
 scanning the ranks by load, stopping once no rank left can raise less; step 5 weighs boundaries in
 the order of the most a move there can gain; the fill gives a rank the whole documents far smaller
 than its need in one go. On the 2-CPU build machine (``benchmarks/solver_time.py``, 1,000
-documents, P = 8): 1.0 ms all short and whole (2.1 ms at P = 64), 2.0 ms beside one of 2M tokens,
-which must be split (7 ms at P = 64), 4.3 ms beside ten of 0.2M-2M (16 ms at P = 64), 1.2 ms for
-a log-uniform 128-2M tail (9 ms at P = 64). The fill scores its last few choices of a rank only:
+documents, P = 8): 0.9 ms all short and whole (2.0 ms at P = 64), 1.9 ms beside one of 2M tokens,
+which must be split (6 ms at P = 64), 3.8 ms beside ten of 0.2M-2M (16 ms at P = 64), 1.1 ms for
+a log-uniform 128-2M tail (10 ms at P = 64). The fill scores its last few choices of a rank only:
 a rank still needing ``_FAR`` (8) times a whole portion's tokens and pairs takes the longest that
 fits."""
 
@@ -267,8 +267,10 @@ def _subset_holders(needs: list[tuple[int, float, bool]], P: int, c: float) -> d
 def _split_needs(lengths, means: tuple[float, float], token_bound: float) -> list[tuple[int, float, bool]]:
     """:func:`_subset_holders`' input: the documents that the largest of :data:`SPREADS` splits."""
     out = []
+    c = SPREADS[-1]  # below ``small`` tokens a document is under T / c, F / c pairs and the cap (a tile of margin)
+    small = min(token_bound * means[0], means[0] / c, ((1.0 + 8.0 * means[1] / c) ** 0.5 - 1.0) / 2.0) - 1.0
     for i, L in enumerate(lengths):
-        if L > 0:
+        if L > 0 and L > small:
             need, over_cap = max(L / means[0], L * (L + 1) / 2 / means[1]), L > token_bound * means[0]
             if over_cap or SPREADS[-1] * need > 1:
                 out.append((i, need, over_cap))
@@ -428,9 +430,8 @@ def zigzag_placement(lengths: list[int], P: int, tile: int, token_bound: float =
                             ((),) * len(lengths), ((),) * len(lengths)), True
     means = (S / P, sum(L * (L + 1) // 2 for L in lengths) / P)
     bounds = (token_bound, flop_bound)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    order = [i for i in order if lengths[i] > 0] + [i for i in order if lengths[i] == 0]
-    nonzero = sum(1 for L in lengths if L > 0)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)  # stable: ties by index
+    nonzero = len(lengths) - lengths.count(0)
     k_min = sum(1 for L in lengths if L > token_bound * means[0])
     seen: dict[tuple, tuple] = {}  # holders -> (placement, or None: out of the bounds; (spread, split count); holders)
     memo = _SplitMemo()  # the split documents' loads by prefix, shared by the candidates

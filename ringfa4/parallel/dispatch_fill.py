@@ -200,7 +200,10 @@ class _Filler:
             rows = int(need[0])
             if rows < 1:  # under one token to give (a tile of 1)
                 return
+            tri = rows * (rows + 1) // 2
             for idx in range(self.first_within(rows - 1)):  # the portions of at least ``rows`` tokens
+                if rows * (self.portions[idx][2] - rows) + tri < need[1]:  # its densest cut (the tail) is short
+                    continue  # of pairs: head_tail's own first test, without the call
                 cuts = self.head_tail(idx, rows, need[1])
                 if cuts is not None:
                     self.take(idx, r, cuts)
