@@ -267,7 +267,7 @@ def _subset_holders(needs: list[tuple[int, float, bool]], P: int, c: float) -> d
 def _split_needs(lengths, means: tuple[float, float], token_bound: float) -> list[tuple[int, float, bool]]:
     """:func:`_subset_holders`' input: the documents that the largest of :data:`SPREADS` splits."""
     out = []
-    c = SPREADS[-1]  # below ``small`` tokens a document is under T / c, F / c pairs and the cap (a tile of margin)
+    c = SPREADS[-1]  # up to ``small`` tokens a document is under T / c, F / c pairs and the cap (a token of margin)
     small = min(token_bound * means[0], means[0] / c, ((1.0 + 8.0 * means[1] / c) ** 0.5 - 1.0) / 2.0) - 1.0
     for i, L in enumerate(lengths):
         if L > 0 and L > small:
