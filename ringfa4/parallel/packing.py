@@ -250,7 +250,8 @@ class Packing:
         for r in range(P):
             whole = sum(1 for s in self.segments(r) if not s.travels)
             lines.append(f"  rank {r}: {toks[r]} tokens ({self.travel_rows(r)} travel), {pairs[r]} causal pairs, "
-                         f"{whole} whole documents, {sum(self.piece_ends(r).values())} keys of split ones seen")
+                         f"{whole} whole document{'' if whole == 1 else 's'}, "
+                         f"{sum(self.piece_ends(r).values())} keys of split ones seen")
         ratio = lambda xs: max(xs) * len(xs) / sum(xs) if sum(xs) else 1.0  # noqa: E731
         lines.append(f"  balance (max / mean): tokens {ratio(toks):.3f}, FLOPs {ratio(pairs):.3f} "
                      f"({ratio(tiles):.3f} in whole {self.layout.tile}-token tiles)")
