@@ -16,9 +16,9 @@ from ringfa4.parallel.dispatch import FLOP_BOUND, TOKEN_BOUND, piece_pairs, tile
 def _random_pack(rnd: random.Random, trial: int, P: int) -> list[int]:
     if trial % 4 == 0:
         return [rnd.choice([64, 256]) for _ in range(rnd.randint(P, 5 * P))]  # many ties
-    if trial % 4 == 1:  # short documents beside a few long ones (solver_time.py's kind)
-        return [rnd.randint(32, 600) for _ in range(rnd.randint(P, 80))] + [rnd.randint(2000, 40000)
-                                                                            for _ in range(rnd.randint(1, 5))]
+    if trial % 4 == 1:  # short documents (zero-length ones too) beside a few long ones (solver_time.py's kind)
+        return [rnd.choice([0, rnd.randint(1, 600)]) for _ in range(rnd.randint(P, 80))] + [
+            rnd.randint(2000, 40000) for _ in range(rnd.randint(1, 5))]
     return [int(2 ** rnd.uniform(0, 16)) for _ in range(rnd.randint(2, 120))]
 
 
