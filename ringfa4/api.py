@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kernels import AttnSpec, get_backend
@@ -33,8 +35,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     lse includes the sink. Under CP the sink is applied once to each rank's merged result, and each
     rank's ``sinks.grad`` covers its own rows (the usual gradient reduction over ranks sums them).
     """
-    spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap,
-                    deterministic=deterministic, sinks=sinks)
+    spec = None
+    if sinks is None and type(softmax_scale) in _PLAIN and type(softcap) in _PLAIN:
+        try:
+            spec = _spec(causal, tuple(window), softmax_scale, softcap, deterministic)
+        except TypeError:  # an unhashable option: made (and refused or not) below, as any other call
+            pass
+    if spec is None:
+        spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap,
+                        deterministic=deterministic, sinks=sinks)
     if packing is not None:
         if cp is None or packing.cp is not cp:
             raise ValueError("packing must come from this cp (cp.pack(cu_seqlens))")
@@ -47,7 +56,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     return (out, lse) if return_lse else out
 
 
+_PLAIN = (float, int, type(None))
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(causal: bool, window: tuple, softmax_scale: float | None, softcap: float, deterministic: bool) -> AttnSpec:
+    """The AttnSpec of plain (tensor-free) options, made once per combination (a frozen value)."""
+    return AttnSpec(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
+                    deterministic=deterministic)
+
+
 def _single(q, k, v, spec, backend_name):
-    """One differentiable backend call."""
-    validate_block(q, k, v, spec)
+    """One differentiable backend call. Every backend a name gives checks q, k, v first thing
+    (:func:`~ringfa4.kernels.validate.validate_block`), so the call is not checked twice here;
+    only a q that is no tensor is refused before its device is asked."""
+    if not isinstance(q, torch.Tensor):
+        validate_block(q, k, v, spec)
     return block_attention(q, k, v, get_backend(backend_name, q.device, q.dtype), spec)

@@ -526,3 +526,28 @@ def test_varlen_sim_unrefined_mode_is_the_placement_before_step5():
     done = cp.pack(cu, "balanced").packing
     tiles = [varlen_sim._ratio([p.tile_work(r) for r in range(8)]) for p in (raw, done)]
     assert round(tiles[0], 3) == 1.028 and round(tiles[1], 3) == 1.006
+
+
+def test_single_call_floor_stubs_the_kernels_of_both_paths():
+    """single_call_floor.py: ringfa4 ``cp=None`` (backend fa4) and FA4's ``flash_attn_func`` each
+    reach FA4's stubbed kernel entry points exactly once a forward and once a backward (so the two
+    host times compare like for like), the stubs are undone afterwards, and the rows are positive."""
+    pytest.importorskip("flash_attn.cute")
+    import single_call_floor
+    from flash_attn.cute import interface
+
+    before = (interface._flash_attn_fwd, interface._flash_attn_bwd)
+    q, k, v, dout = (torch.randn(1, 256, n, 128).to(torch.bfloat16) for n in (32, 8, 8, 32))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    with single_call_floor.stubbed_fa4(q, k, v) as calls:
+        for name, fn in single_call_floor.paths(q, k, v, dout).items():
+            start = dict(calls)
+            fn(True)
+            assert (calls["fwd"] - start["fwd"], calls["bwd"] - start["bwd"]) == (1, 1), name
+            assert q.grad is None  # reset after each call: no .grad accumulation timed
+    assert (interface._flash_attn_fwd, interface._flash_attn_bwd) == before
+    rows = single_call_floor.rows(tokens=256, reps=3, rounds=2)
+    assert sorted((r["path"], r["pass"]) for r in rows) == sorted(
+        (p, s) for p in ("FA4 flash_attn_func", "ringfa4 cp=None") for s in ("fwd", "fwd+bwd"))
+    assert all(0 < r["min_us"] <= r["us"] for r in rows)

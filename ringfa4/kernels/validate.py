@@ -79,6 +79,36 @@ def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
                    where: str = "") -> None:
     """Check one block's q, k, v against ``spec`` (dense ``(b, s, h, d)`` or varlen ``(t, h, d)``)."""
     rank = 3 if spec.varlen else 4
+    if not _same_kind(q, k, v, rank):
+        _kind_error(q, k, v, rank, spec, where)
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{where}v must match k's shape {tuple(k.shape[:-1])} except head_dim, got {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{where}k head_dim must equal q's {q.shape[-1]}, got {k.shape[-1]}")
+    h, h_kv = q.shape[-2], k.shape[-2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
+    if spec.sinks is not None:
+        check_sinks(spec.sinks, q, where)
+    if spec.varlen:
+        validate_varlen(spec, q.shape[0], k.shape[0], where)
+    elif q.shape[0] != k.shape[0]:
+        raise ValueError(f"{where}k batch must equal q's {q.shape[0]}, got {k.shape[0]}")
+
+
+def _same_kind(q, k, v, rank: int) -> bool:
+    """q, k, v are tensors of ``rank`` dims, one floating dtype and one device (the usual case,
+    checked in one expression; :func:`_kind_error` says what is wrong otherwise)."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T)):
+        return False
+    dtype, device = q.dtype, q.device
+    return (q.dim() == rank and k.dim() == rank and v.dim() == rank and dtype in _FLOATS and k.dtype == dtype
+            and v.dtype == dtype and k.device == device and v.device == device)
+
+
+def _kind_error(q, k, v, rank: int, spec: AttnSpec, where: str) -> None:
+    """The ValueError for q, k, v that :func:`_same_kind` refused, naming the first bad tensor."""
     layout = "(total, h, d)" if spec.varlen else "(b, s, h, d)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -91,18 +121,7 @@ def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
             raise ValueError(f"{where}{name} must have q's dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{where}{name} must be on q's device {q.device}, got {t.device}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"{where}v must match k's shape {tuple(k.shape[:-1])} except head_dim, got {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{where}k head_dim must equal q's {q.shape[-1]}, got {k.shape[-1]}")
-    h, h_kv = q.shape[-2], k.shape[-2]
-    if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
-    check_sinks(spec.sinks, q, where)
-    if spec.varlen:
-        validate_varlen(spec, q.shape[0], k.shape[0], where)
-    elif q.shape[0] != k.shape[0]:
-        raise ValueError(f"{where}k batch must equal q's {q.shape[0]}, got {k.shape[0]}")
+    raise AssertionError("_kind_error called on tensors _same_kind accepts")  # unreachable: the checks mirror it
 
 
 def validate_varlen(spec: AttnSpec, total_q: int, total_k: int, where: str = "") -> None:

@@ -111,8 +111,13 @@ def _common(q: torch.Tensor, spec: AttnSpec) -> dict[str, Any]:
 def _check_grad_inputs(q, v, spec: AttnSpec, out, dout, lse) -> None:
     """``out`` / ``dout`` like q's rows with v's head dim, ``lse (b, h, s_q)`` or varlen
     ``(h, total_q)``: float tensors on q's device, else a ValueError naming the tensor."""
-    o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-    lse_shape = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    qs, os_, device = q.shape, out.shape, q.device
+    lse_shape = (qs[1], qs[0]) if spec.varlen else (qs[0], qs[2], qs[1])
+    if (os_ == dout.shape and os_[:-1] == qs[:-1] and os_[-1] == v.shape[-1] and lse.shape == lse_shape
+            and out.dtype in _FLOATS and dout.dtype in _FLOATS and lse.dtype in _FLOATS
+            and out.device == device and dout.device == device and lse.device == device):
+        return  # the usual case in one expression; the loop below names what is wrong otherwise
+    o_shape = tuple(qs[:-1]) + (v.shape[-1],)
     for name, t, shape in (("out", out, o_shape), ("dout", dout, o_shape), ("lse", lse, lse_shape)):
         if tuple(t.shape) != shape or t.dtype not in _FLOATS or t.device != q.device:
             raise ValueError(f"{name} must be a float {shape} tensor on {q.device}, "
@@ -216,7 +221,8 @@ class Fa4Backend:
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
         _check_grad_inputs(q, v, spec, out, dout, lse)
-        out, dout, lse = out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32)
+        out, dout = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (out, dout))
+        lse = lse if lse.dtype == torch.float32 else lse.to(torch.float32)
         _, bwd = _kernels()
         try:
             grads = bwd(q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)
