@@ -35,14 +35,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     lse includes the sink. Under CP the sink is applied once to each rank's merged result, and each
     rank's ``sinks.grad`` covers its own rows (the usual gradient reduction over ranks sums them).
     """
-    spec = None
-    if sinks is None and type(softmax_scale) in _PLAIN and type(softcap) in _PLAIN:
-        try:
-            spec = _spec(causal, tuple(window), softmax_scale, softcap, deterministic)
-        except TypeError:  # an unhashable option: made (and refused or not) below, as any other call
-            pass
-    if spec is None:
-        spec = AttnSpec(causal=causal, window=tuple(window), softmax_scale=softmax_scale, softcap=softcap,
+    window = tuple(window)
+    if (sinks is None and len(window) == 2 and type(window[0]) in _SIDE and type(window[1]) in _SIDE
+            and type(softmax_scale) in _NUMBER and type(softcap) in _NUMBER and type(causal) is bool
+            and type(deterministic) is bool):  # plain options (what the cache may stand for): one spec each
+        spec = _spec(causal, window, softmax_scale, softcap, deterministic)
+    else:
+        spec = AttnSpec(causal=causal, window=window, softmax_scale=softmax_scale, softcap=softcap,
                         deterministic=deterministic, sinks=sinks)
     if packing is not None:
         if cp is None or packing.cp is not cp:
@@ -56,7 +55,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     return (out, lse) if return_lse else out
 
 
-_PLAIN = (float, int, type(None))
+_SIDE = (int, type(None))  # exact types: 5.0 or True hash like 5 or 1 but are not valid window sides
+_NUMBER = (float, int, type(None))
 
 
 @functools.lru_cache(maxsize=256)

@@ -59,3 +59,38 @@ def test_max_seqlen_too_small():
     cu = torch.tensor([0, 6, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="max_seqlen_q must be >= the longest document 6"):
         be.forward(q, q, q, AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=6))
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_single_call_errors_come_from_the_backend_check(backend):
+    """``ringfa4.attention(cp=None)`` leaves the checks to the backend (each checks q, k, v first
+    thing): the same ValueErrors as the backend's own, and one naming q when q is no tensor."""
+    import ringfa4
+
+    cases = [(_qkv(k=torch.randn(1, 8, 3, 8), v=torch.randn(1, 8, 3, 8)), "k heads must divide q heads 4"),
+             (_qkv(q=torch.randn(8, 4, 8)), r"q must be 4-D \(b, s, h, d\)"),
+             (_qkv(q=torch.randint(0, 3, (1, 8, 4, 8))), "q must be a floating dtype"),
+             (_qkv(k=[1, 2]), "k must be a tensor"),
+             ((None, *_qkv()[1:]), "q must be a tensor")]
+    for (q, k, v), match in cases:
+        with pytest.raises(ValueError, match=match):
+            ringfa4.attention(q, k, v, backend=backend)
+
+
+def test_api_spec_made_once_per_plain_options_and_still_checked():
+    """The API makes one AttnSpec per combination of plain options (equal to one made directly);
+    options that hash like valid ones but are not (5.0, True as window sides) are still refused,
+    also right after the valid ones were cached."""
+    import ringfa4
+    from ringfa4.api import _spec
+
+    q, k, v = _qkv()
+    for _ in range(2):
+        ringfa4.attention(q, k, v, causal=True, window=(5, None), softcap=2.0)
+    assert _spec(True, (5, None), None, 2.0, False) is _spec(True, (5, None), None, 2.0, False)
+    assert _spec(True, (5, None), None, 2.0, False) == AttnSpec(causal=True, window=(5, None), softcap=2.0)
+    for window in ((5.0, None), (True, None), (5, None, 1)):
+        with pytest.raises(ValueError, match="window"):
+            ringfa4.attention(q, k, v, causal=True, window=window, softcap=2.0)
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        ringfa4.attention(q, k, v, softcap=-1.0)
