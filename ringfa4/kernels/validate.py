@@ -78,22 +78,23 @@ def _longest(cu: torch.Tensor) -> int:
 def validate_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                    where: str = "") -> None:
     """Check one block's q, k, v against ``spec`` (dense ``(b, s, h, d)`` or varlen ``(t, h, d)``)."""
-    rank = 3 if spec.varlen else 4
+    rank = 4 if spec.cu_seqlens_q is None else 3  # varlen: (t, h, d)
     if not _same_kind(q, k, v, rank):
         _kind_error(q, k, v, rank, spec, where)
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"{where}v must match k's shape {tuple(k.shape[:-1])} except head_dim, got {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{where}k head_dim must equal q's {q.shape[-1]}, got {k.shape[-1]}")
-    h, h_kv = q.shape[-2], k.shape[-2]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if ks[:-1] != vs[:-1]:
+        raise ValueError(f"{where}v must match k's shape {tuple(ks[:-1])} except head_dim, got {tuple(vs)}")
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"{where}k head_dim must equal q's {qs[-1]}, got {ks[-1]}")
+    h, h_kv = qs[-2], ks[-2]
     if h_kv == 0 or h % h_kv != 0:
         raise ValueError(f"{where}k heads must divide q heads {h} (GQA/MQA), got {h_kv}")
     if spec.sinks is not None:
         check_sinks(spec.sinks, q, where)
-    if spec.varlen:
-        validate_varlen(spec, q.shape[0], k.shape[0], where)
-    elif q.shape[0] != k.shape[0]:
-        raise ValueError(f"{where}k batch must equal q's {q.shape[0]}, got {k.shape[0]}")
+    if spec.cu_seqlens_q is not None:  # spec.varlen
+        validate_varlen(spec, qs[0], ks[0], where)
+    elif qs[0] != ks[0]:
+        raise ValueError(f"{where}k batch must equal q's {qs[0]}, got {ks[0]}")
 
 
 def _same_kind(q, k, v, rank: int) -> bool:
