@@ -111,7 +111,8 @@ def main() -> None:
     ap.add_argument("--mixes", default=",".join(m for m in MIXES if m != "one_64k"))
     ap.add_argument("--worlds", default="8")
     ap.add_argument("--sms", type=int, default=SMS)
-    ap.add_argument("--tile-cost", type=float, default=4.0, help="a tile's fixed cost, in key / query blocks")
+    ap.add_argument("--tile-cost", type=float, default=7.0,
+                    help="a tile's fixed cost, in key / query blocks (varlen_tile_cost.py, H100: 6.3 fwd, 7.3 bwd)")
     ap.add_argument("--out", default="benchmarks/results/tile_schedule_cpu.json")
     args = ap.parse_args()
     rows = [mix_rows(m, int(P), args.sms, args.tile_cost) for m in args.mixes.split(",")
