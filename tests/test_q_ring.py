@@ -106,3 +106,39 @@ def test_hop_bytes_and_bad_option():
     assert got == {"kv": 2 * n * (2 + 4), "q": 3 * n * 2 + b * h * s * 4 + n * 4}, got
     with pytest.raises(ValueError, match=r"RingOptions.bwd_ring must be one of \('auto', 'kv', 'q'\), got 'both'"):
         RingOptions(bwd_ring="both")
+
+
+def test_q_side_travels_as_one_buffer_after_the_first_hop(monkeypatch):
+    """The q side's first hop sends each rank's own pieces (the state's tensors, never received
+    into), every later hop one flat byte buffer a rank (one copy, or one NCCL send / receive pair,
+    a hop) whose typed views the blocks read; the grads stay float64-exact (the case's own check)."""
+    from ringfa4.parallel.ring import q_side
+    from ringfa4.parallel.transport import LoopbackTransport
+
+    sent, rings = [], []
+    real_shift, real_ring = LoopbackTransport.shift, q_side._QSideRing
+
+    def shift(self, send, recv, offset):
+        sent.append(send[0] if isinstance(send[0], tuple) else (send[0],))
+        return real_shift(self, send, recv, offset)
+
+    def ring(own):
+        rings.append((real_ring(own), [tuple(p.data_ptr() for p in pieces) for pieces in own]))
+        return rings[-1][0]
+
+    monkeypatch.setattr(LoopbackTransport, "shift", shift)
+    monkeypatch.setattr(q_side, "_QSideRing", ring)
+    P = 4
+    _sim_case(P, "zigzag", torch.float64, {"causal": True}, h=4, h_kv=4, seed=5,
+              options=RingOptions(bwd_ring="q", dkv_groups=1))
+    ((r, own),) = rings
+    flat_bytes = r.nxt[0].numel()
+    data = [pieces for pieces in sent if len(pieces) == len(r.layout) or pieces[0].dtype == torch.uint8]
+    first, *later = data[-(P - 1):]  # the backward's data hops (the forward's K/V hops come first)
+    assert [p.dtype for p in first] == [dtype for _, _, dtype, _ in r.layout]
+    assert len(later) == P - 2 and all(len(x) == 1 and x[0].dtype == torch.uint8 and x[0].numel() == flat_bytes
+                                       for x in later), [[(p.dtype, p.numel()) for p in x] for x in later]
+    assert sum(p.numel() * p.element_size() for p in first) <= flat_bytes < \
+        sum(p.numel() * p.element_size() for p in first) + 256 * len(first)
+    received = {b.data_ptr() for b in (*r.cur, *r.nxt)}
+    assert not received & {ptr for pieces in own for ptr in pieces}  # the own pieces were never received into

@@ -18,24 +18,46 @@ from .run import RingRun, acc_dtype, cap_of, rows_of
 __all__ = ["QSide", "make_q_side", "q_side_possible"]
 
 
-class _PieceRing:
-    """The travelling q sides as tuples of pieces: ``cur`` starts as each rank's own (never received
-    into: a spare buffer takes their place after the first hop), ``nxt`` receives, ``swap``."""
+_ALIGN = 256  # bytes: a piece's offset in the flat buffer (every dtype's and FA4's 16-byte alignment)
+
+
+class _QSideRing:
+    """The travelling q sides. ``cur`` starts as each rank's own pieces (a tuple of the state's
+    tensors, never received into); every receive lands in one flat byte buffer a rank whose typed
+    views (:meth:`pieces`) have the own pieces' shapes and dtypes, contiguous, at 256-byte aligned
+    offsets. So the first hop moves the pieces one by one and every later hop the flat buffer as
+    one transfer (one copy, or one NCCL send / receive pair), as :class:`~.buffers.KVRing` does
+    for K/V; a spare buffer takes the own pieces' place after the first hop. Every local rank's
+    pieces have the same shapes (the q side runs only where every rank holds the same rows)."""
 
     def __init__(self, own: list[tuple[torch.Tensor, ...]]) -> None:
-        def empty(pieces):
-            return tuple(torch.empty_like(p) for p in pieces)
+        self.layout, at = [], 0
+        for p in own[0]:
+            self.layout.append((at, p.numel() * p.element_size(), p.dtype, p.shape))
+            at += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        device = own[0][0].device
+        self.cur: list = list(own)
+        self.nxt = [torch.empty(at, dtype=torch.uint8, device=device) for _ in own]
+        self.spare: list | None = [torch.empty(at, dtype=torch.uint8, device=device) for _ in own]
+        self.hops = 0
+        self._views = ViewMemo()
 
-        self.cur = own
-        self.nxt = [empty(p) for p in own]
-        self.spare = [empty(p) for p in own]
+    def pieces(self, x) -> tuple[torch.Tensor, ...]:
+        """The pieces of ``x``: an own tuple as it is, a flat buffer as its typed views."""
+        return x if isinstance(x, tuple) else self._views.get((x,), "pieces", self._typed, x)
+
+    def _typed(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(flat.narrow(0, at, n).view(dtype).view(shape) for at, n, dtype, shape in self.layout)
 
     def send_recv(self) -> tuple[list, list]:
+        if self.hops == 0:
+            return self.cur, [self.pieces(n) for n in self.nxt]
         return self.cur, self.nxt
 
     def swap(self) -> None:
         old = self.cur if self.spare is None else self.spare
         self.cur, self.nxt, self.spare = self.nxt, old, None
+        self.hops += 1
 
 
 class QSide:
@@ -57,7 +79,7 @@ class QSide:
         self.step = world - 1
         q_per = qs[0].shape[2] // ks[0].shape[2]
         self.q_heads = [(a * q_per, b * q_per) for a, b in heads]
-        self.ring = _PieceRing([st.travel() for st in states])
+        self.ring = _QSideRing([st.travel() for st in states])
         self.dkv = [[torch.zeros(lay.numel, dtype=lay.dtype, device=k.device) for k in ks] for lay in layouts]
         self.visitor = {}  # (rank, step) -> the rank whose q side it holds: source(visitor, step) = rank
         for r in run.ranks:
@@ -68,7 +90,7 @@ class QSide:
                 self.visitor[(r, t)] = j
 
     def held(self, i: int, r: int, t: int):
-        return self.ring.cur[i], self.visitor[(r, t)]
+        return self.ring.pieces(self.ring.cur[i]), self.visitor[(r, t)]
 
     def zeros(self, g: int, i: int) -> torch.Tensor:
         return self.states[i].dq_zeros(*self.q_heads[g])
@@ -81,7 +103,9 @@ class QSide:
         blocks = self.run.schedule.blocks(j, t)
         if not blocks:
             return None
-        state = self.states[i].visiting(pieces, *self.q_heads[g], dst)
+        # one state per (pieces, accumulator, group): the ring alternates between a few of each
+        state = self.views.get((pieces[0], dst), ("visit", i, g), self.states[i].visiting, pieces,
+                               *self.q_heads[g], dst)
         a, b = self.kv_heads[g]
         k, v = self.ks[i], self.vs[i]
         k_g, v_g = self.views.get((k, v), ("heads", a, b), calls.kv_heads, k, v, a, b)
