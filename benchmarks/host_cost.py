@@ -285,6 +285,7 @@ def bench_packed(P: int, total: int, be, args, cycles: int) -> list[dict]:
 
 
 def main() -> None:
+    global HK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,8192,32768", help="tokens per rank (dense)")
     ap.add_argument("--worlds", default="4,8")
@@ -302,10 +303,13 @@ def main() -> None:
     ap.add_argument("--metadata-check", default="every_call,new_shapes",
                     help="real-rank RingOptions.metadata_check values (every_call: the check on every call; "
                          "new_shapes: once per call key)")
+    ap.add_argument("--kv-heads", type=int, default=HK,
+                    help="kv heads of the dense and packed rows (32: MHA, where the backward runs the q ring)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")
     args = ap.parse_args()
+    HK = args.kv_heads
     be = get_backend(resolve("auto", "cuda", torch.bfloat16))
     cycles = sleep_cycles(args.queued_ms)
     out = {"device": torch.cuda.get_device_name(), "heads": H, "kv_heads": HK, "head_dim": D, "backend": be.name,
