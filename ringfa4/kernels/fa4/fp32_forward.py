@@ -23,6 +23,10 @@ last-dim stride 1 (out: 16-byte aligned pointer and strides). Kernels compile on
 :class:`Fp32Key` and are cached per process. The arch is FA4's choice (``FLASH_ATTENTION_ARCH`` or
 the device capability). Under ``FakeTensorMode`` (with ``FLASH_ATTENTION_ARCH`` / ``CUTE_DSL_ARCH``
 set) the kernels compile without a GPU and nothing runs: see :func:`compile_only`.
+
+The same preparation serves one call of FA4's own sm90 class, O in q's dtype (:func:`prepare_plain`,
+FA4's tile config and pack-GQA default): the backend's single call (``cp=None``) launches it from a
+plan instead of going through FA4's Python entry point on every call.
 """
 
 from __future__ import annotations
@@ -47,8 +51,9 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Fp32Key:
-    """Everything a compiled fp32-output forward is specialized on (window sizes, the softmax scale
-    and the sizes other than head_dim are runtime arguments)."""
+    """Everything a compiled forward of this module is specialized on (window sizes, the softmax scale
+    and the sizes other than head_dim are runtime arguments): the fp32-output one, its merging and
+    varlen variants, and FA4's own class for a single call (``plain``)."""
 
     arch: int  # FA4's arch number: 90, 100, ...
     dtype: torch.dtype
