@@ -125,7 +125,10 @@ def _check_grad_inputs(q, v, spec: AttnSpec, out, dout, lse) -> None:
 
 
 class Fa4Backend:
-    """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
+    """Block attention through FA4's kernels: ``flash_attn.cute.interface._flash_attn_fwd`` /
+    ``_flash_attn_bwd``, or, where this module prepares the launch itself, FA4's kernel classes from
+    a plan per call signature (sm90: a forward without given outputs runs FA4's own class, one with
+    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`).
 
     ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
