@@ -17,7 +17,8 @@
 #             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
 #             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
 #             whether hops hide behind the kernels (hop_overlap.py) (~8 min); PART dkv: 4k tokens a rank at P = 4
-#             and 8 with dkv_groups 2 and 1 (host time, launches, efficiency, of calls alone) (~3 min)
+#             and 8 with dkv_groups 2 and 1 (host time, launches, efficiency, of calls alone) (~3 min); PART qring:
+#             the same rows for MHA (h = kv = 32), where the backward's q side travels (~2 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
 #             peak-memory formula's refit (memory_formula.py) and the plot (~5 min); PART 32k: 32 layers, plain
 #             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
@@ -102,6 +103,11 @@ stage_packed() {
 }
 
 stage_host() {
+  if [ "${1:-}" = qring ]; then  # PART qring: MHA, whose backward runs the q ring (one buffer a hop after the first)
+    python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --kv-heads 32 --no-baselines \
+      --out "$(name host_cost_mha "$sfx")"
+    return
+  fi
   if [ "${1:-}" = dkv ]; then  # PART dkv: 4k a rank, one head group against two (launches a rank-step, and the
     # half-head blocks' wave quantization at short chunks: of calls alone at P = 4 is 0.936 with two), same call
     for g in 2 1; do
@@ -169,5 +175,5 @@ stage_nccl() {  # NVLink multicast stays off (it can take a shared host's GPUs o
 stage=${1:-}
 case "$stage" in
   tests|kernels|ring|packed|host|capacity|recipe|nccl) shift; "stage_$stage" "$@" ;;
-  *) sed -n '2,25p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^# Set-up/p' "$0" >&2; exit 2 ;;
 esac
