@@ -142,3 +142,29 @@ def test_q_side_travels_as_one_buffer_after_the_first_hop(monkeypatch):
         sum(p.numel() * p.element_size() for p in first) + 256 * len(first)
     received = {b.data_ptr() for b in (*r.cur, *r.nxt)}
     assert not received & {ptr for pieces in own for ptr in pieces}  # the own pieces were never received into
+
+
+@pytest.mark.parametrize("ring", ["q", "kv"])
+def test_poisoned_hops_change_nothing(ring):
+    """Loopback receives poisoned before every hop (the GPU tests' check for a missing wait) work on
+    every buffer a hop receives into, the q side's flat byte buffer included (all bits set, so its
+    float views read NaN), and give the same gradients bit for bit: every byte a block reads was
+    written by the hop."""
+    from ringfa4.parallel.transport import LoopbackTransport, _poison_
+
+    buf = torch.zeros(8, dtype=torch.uint8)
+    _poison_(buf)
+    assert buf.view(torch.float32).isnan().all() and buf.view(torch.bfloat16).isnan().all()
+    q, k, v, do = random_qkv(2, 48, 48, 4, 4, 16, dtype=torch.float64, seed=3)
+    got = []
+    for transport in (None, LoopbackTransport(poison=True)):
+        cp = ringfa4.ContextParallel.simulated(4, backend="reference", transport=transport,
+                                               options=RingOptions(bwd_ring=ring, dkv_groups=2))
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = ringfa4.attention(qq, kk, vv, cp=cp, causal=True)
+        out.backward(do)
+        got.append((out, qq.grad, kk.grad, vv.grad))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *got):
+        assert torch.equal(a, b), f"{name} changed under poisoned hops ({ring} ring)"
+    ref = reference_grads(q, k, v, do, causal=True)
+    torch.testing.assert_close(got[1][1], ref[2], rtol=1e-9, atol=1e-9)

@@ -39,6 +39,13 @@ import torch.distributed as dist
 __all__ = ["LoopbackTransport", "Moves", "P2PTransport", "Pending", "Transport"]
 
 
+def _poison_(buf: torch.Tensor) -> None:
+    """A receive buffer filled with what no hop writes: NaN for floats, every bit set for integers (a
+    byte buffer whose typed views hold floats, e.g. the q side's one-buffer hop, then reads NaN in
+    each of them: all-ones is a NaN in fp16, bf16 and fp32)."""
+    buf.fill_(math.nan if buf.is_floating_point() else -1 if buf.dtype.is_signed else torch.iinfo(buf.dtype).max)
+
+
 def _pieces(x) -> tuple[torch.Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
 
@@ -224,7 +231,7 @@ class LoopbackTransport(Transport):
         if self.poison:
             for r in recv:
                 for piece in _pieces(r):
-                    piece.fill_(math.nan)
+                    _poison_(piece)
         pairs = [(dst, src) for i in range(n) for dst, src in zip(_pieces(recv[(i + offset) % n]), _pieces(send[i]),
                                                                   strict=True)]
         if stream is None:
@@ -262,7 +269,7 @@ class LoopbackTransport(Transport):
             return Pending()
         if self.poison:
             for _, _, dst, _ in pairs:
-                dst.fill_(math.nan)
+                _poison_(dst)
         event = torch.cuda.Event()
 
         def post():
