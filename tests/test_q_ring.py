@@ -168,3 +168,23 @@ def test_poisoned_hops_change_nothing(ring):
         assert torch.equal(a, b), f"{name} changed under poisoned hops ({ring} ring)"
     ref = reference_grads(q, k, v, do, causal=True)
     torch.testing.assert_close(got[1][1], ref[2], rtol=1e-9, atol=1e-9)
+
+
+def test_visiting_states_are_made_per_step(monkeypatch):
+    """A visiting state may keep what it derives from the q side it was made for (FA4's accumulating
+    backward copies the lse rows of a block whose rows it pads): here the reference backend's
+    visiting state snapshots its lse at creation, so a state kept past the hop that replaced its
+    pieces' contents would compute with another rank's lse. The grads stay float64-exact (the case's
+    own check) only if every step makes its own."""
+    from ringfa4.kernels import reference
+
+    real = reference._ReferenceAccum.visiting
+
+    def snapshot(self, pieces, h0, h1, dq):
+        state = real(self, pieces, h0, h1, dq)
+        state.lse = state.lse.clone()
+        return state
+
+    monkeypatch.setattr(reference._ReferenceAccum, "visiting", snapshot)
+    _sim_case(4, "zigzag", torch.float64, {"causal": True}, h=4, h_kv=4, seed=9,
+              options=RingOptions(bwd_ring="q", dkv_groups=2))

@@ -315,7 +315,9 @@ class AccumBackward(Protocol):
     travel() -> the state's q-side tensors another rank's blocks need (contiguous; sent as they
     are); dq_zeros(h0, h1) / dq_empty(h0, h1) -> a dq accumulator of q heads ``[h0, h1)`` in the
     state's layout (it travels with the q side); visiting(pieces, h0, h1, dq) -> the state of heads
-    ``[h0, h1)`` of another rank's q side ``pieces`` (its travel()), adding dq into ``dq``;
+    ``[h0, h1)`` of another rank's q side ``pieces`` (its travel()), adding dq into ``dq``; valid
+    while ``pieces`` hold that q side (the state may keep what it derives from them: FA4 copies the
+    lse rows of blocks whose rows it pads), so the ring makes one per step;
     dq_from(bufs, heads, dtype) -> this state's dq ``(b, s_q, h, d)`` in ``dtype`` from the head
     groups' accumulators once they are back home.
     """

@@ -103,9 +103,10 @@ class QSide:
         blocks = self.run.schedule.blocks(j, t)
         if not blocks:
             return None
-        # one state per (pieces, accumulator, group): the ring alternates between a few of each
-        state = self.views.get((pieces[0], dst), ("visit", i, g), self.states[i].visiting, pieces,
-                               *self.q_heads[g], dst)
+        # a fresh state every step: the pieces hold another rank's q side after each hop, and a
+        # backend may keep what it derived from a state's tensors (FA4 copies the lse rows of a
+        # block whose rows it pads), so a state must never outlive its pieces' contents
+        state = self.states[i].visiting(pieces, *self.q_heads[g], dst)
         a, b = self.kv_heads[g]
         k, v = self.ks[i], self.vs[i]
         k_g, v_g = self.views.get((k, v), ("heads", a, b), calls.kv_heads, k, v, a, b)
