@@ -43,6 +43,11 @@ MERGE_COMPILE = [
     ("merge_d128_causal", 128, True, dict()),
     ("merge_d64_gqa_window", 64, False, dict(window=(96, 32), shape=(2, 384, 512, 8, 2))),
 ]
+# FA4's own kernel class prepared for a single call (prepare_plain, sm90): O in q's dtype through its TMA store
+PLAIN_COMPILE = [
+    ("plain_d128_causal", 128, True, dict()),
+    ("plain_gqa_window", 128, False, dict(window=(96, 32), shape=(2, 384, 512, 8, 2))),
+]
 
 
 def _compile_cases(arch: str) -> list[dict]:
@@ -54,7 +59,9 @@ def _compile_cases(arch: str) -> list[dict]:
 
     results = []
     cases = [(c, fa4_fp32.compile_only) for c in CASES]
-    cases += [(c, epilogue_merge.compile_only) for c in MERGE_COMPILE] if arch == "sm_90a" else []
+    if arch == "sm_90a":
+        cases += [(c, epilogue_merge.compile_only) for c in MERGE_COMPILE]
+        cases += [(c, fa4_fp32.compile_only_plain) for c in PLAIN_COMPILE]
     for (name, d, causal, kw), compile_only in cases:
         t0 = time.perf_counter()
         entry = compile_only(arch, torch.bfloat16, d, causal, **kw)
@@ -62,7 +69,11 @@ def _compile_cases(arch: str) -> list[dict]:
         assert isinstance(ptx, str) and f".target {arch}" in ptx, (name, "no PTX for", arch)
         assert entry.fn.__cubin__, (name, "no cubin")
         stores = re.findall(r"st\.global\.v\d\.b32|cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-        if name.startswith("merge"):
+        if name.startswith("plain"):
+            assert type(entry.kernel).__name__ == "FlashAttentionForwardSm90" and entry.key.plain, name
+            assert entry.key.pack_gqa == (kw.get("shape", (0, 0, 0, 4, 4))[3] > kw.get("shape", (0, 0, 0, 4, 4))[4])
+            assert stores and set(stores) == {"cp.async.bulk.tensor.4d.global.shared"}, (name, stores)  # bf16 O: TMA
+        elif name.startswith("merge"):
             # O read back and written once from registers; the running lse read and the block lse stored
             assert type(entry.kernel).__name__ == "_Sm90MergeOut" and entry.key.merge, name
             assert stores == ["st.global.v2.b32"] * (d // 4), (name, stores)
@@ -106,7 +117,8 @@ def test_fp32_forward_compiles(compile_runs, arch):
     proc, result, log = compile_runs[arch]
     cute_compile.wait_ok(proc, log, arch, timeout=120)
     results = json.loads(result.read_text())
-    assert [r["name"] for r in results] == [c[0] for c in CASES + (MERGE_COMPILE if arch == "sm_90a" else [])]
+    assert [r["name"] for r in results] == [c[0] for c in CASES + (MERGE_COMPILE + PLAIN_COMPILE
+                                                                    if arch == "sm_90a" else [])]
     print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['seconds']}s" for r in results))
 
 

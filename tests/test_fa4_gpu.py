@@ -102,6 +102,36 @@ def test_dense_matches_reference(fa4, case):
             assert torch.equal(x, got[name]), f"deterministic backward changed {name}"
 
 
+@pytest.mark.parametrize("case", DENSE[:9], ids=[f"{_id(c[-1])}-h{c[3]}:{c[4]}-d{c[5]}" for c in DENSE[:9]])
+def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
+    """A call without given outputs (``cp=None``) runs FA4's own sm90 forward kernel through a
+    prepared plan (:func:`~ringfa4.kernels.fa4.fp32_forward.prepare_plain`): bit for bit FA4's
+    ``flash_attn_func`` (its tile config and pack-GQA default); the second call of the same
+    signature, on other tensors, replays the launch: no checked path, no compile."""
+    from flash_attn.cute import interface
+
+    from ringfa4.kernels.fa4 import compile_count
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the prepared single-call forward is sm90's (sm100 keeps FA4's entry point)")
+    b, s_q, s_k, h, h_kv, d, kw = case
+    spec = AttnSpec(**kw)
+    fa4_kw = dict(causal=spec.causal, softmax_scale=spec.scale(d), softcap=float(spec.softcap),
+                  window_size=(spec.window_left, spec.window_right), return_lse=True)
+    for rep in range(2):
+        q, k, v, _ = random_qkv(b, s_q, s_k, h, h_kv, d, dtype=BF16, device="cuda", seed=rep * 31 + s_q)
+        want = interface.flash_attn_func(q, k, v, **fa4_kw)
+        before = compile_count()
+        if rep:  # the replay: neither the checked path nor FA4's entry point runs
+            monkeypatch.setattr(fa4, "_forward_plain", lambda *a: pytest.fail("the checked path ran again"))
+        out, lse = fa4.forward(q, k, v, spec)
+        monkeypatch.undo()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (rep, (out - want[0]).abs().max())
+        assert out.dtype == BF16 and out.is_contiguous() and lse.shape == (b, h, s_q)
+        if rep:
+            assert compile_count() == before
+
+
 def test_rows_that_see_no_key(fa4):
     """causal with s_q > s_k: rows i < s_q - s_k see nothing: lse -inf, out 0, dq 0."""
     q, k, v, dout = random_qkv(1, 200, 72, 4, 2, 64, dtype=BF16, device="cuda", seed=7)

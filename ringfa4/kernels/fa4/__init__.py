@@ -2,7 +2,8 @@
 ``ringfa4`` is imported):
 
 - :mod:`.backend`: ``Fa4Backend``, the block backend over FA4's entry points and the kernels below;
-- :mod:`.fp32_forward`: FA4's forward with a float32 output (sm90 subclass, sm100 single split);
+- :mod:`.fp32_forward`: FA4's forward with a float32 output (sm90 subclass, sm100 single split), and
+  FA4's own sm90 forward prepared for a single call (``prepare_plain``);
 - :mod:`.varlen_fwd`: that sm90 forward over packed documents (cu_seqlens);
 - :mod:`.epilogue_merge`: that forward merging into a ring's fp32 accumulator in its epilogue (sm90);
 - :mod:`.bwd_accum`: FA4's backward into fp32 accumulators across ring steps, with

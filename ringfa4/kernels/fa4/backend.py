@@ -125,7 +125,10 @@ def _check_grad_inputs(q, v, spec: AttnSpec, out, dout, lse) -> None:
 
 
 class Fa4Backend:
-    """Block attention through ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd``.
+    """Block attention through FA4's kernels: ``flash_attn.cute.interface._flash_attn_fwd`` /
+    ``_flash_attn_bwd``, or, where this module prepares the launch itself, FA4's kernel classes from
+    a plan per call signature (sm90: a forward without given outputs runs FA4's own class, one with
+    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`).
 
     ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
@@ -165,6 +168,12 @@ class Fa4Backend:
         """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
         -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
         key = None
+        if out is None and lse is None and spec.sinks is None and not spec.varlen:  # one call (cp=None, Ulysses)
+            key = ("plain", spec, signature(q, k, v))
+            plan = self._plans.get(key)
+            if plan is not None and aligned((q, k, v), 16):
+                return plan.launch_new(q, k, v)
+            return self._forward_plain(q, k, v, spec, key)
         if out is not None and lse is not None and spec.sinks is None:
             if spec.varlen:  # the cu_seqlens are launch arguments: their values change per pack
                 cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
@@ -209,6 +218,35 @@ class Fa4Backend:
         if fp32_out:
             out.copy_(res[0])
             return out, res[1]
+        return res[0], res[1]
+
+    def _forward_plain(self, q, k, v, spec: AttnSpec, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked path of a call without given outputs: on sm90 FA4's own forward kernel
+        prepared (:func:`.fp32_forward.prepare_plain`), its plan kept under ``key``; elsewhere, or
+        where that does not run (head dims it lacks), FA4's entry point."""
+        validate_block(q, k, v, spec)
+        _check_inputs(q, spec)
+        from .bwd_accum import _arch
+
+        if _arch() // 10 == 9:
+            from .fp32_forward import prepare_plain
+
+            try:
+                prepared = prepare_plain(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)))
+            except AssertionError as exc:
+                raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
+            except (ValueError, TypeError, NotImplementedError):  # raised before anything ran
+                prepared = None
+            if prepared is not None:
+                prepared.run()
+                if prepared.replayable:
+                    self._plans.put(key, prepared.plan)
+                return prepared.tensors[3], prepared.tensors[4]
+        fwd, _ = _kernels()
+        try:
+            res = fwd(q, k, v, **_common(q, spec), return_lse=True)
+        except AssertionError as exc:
+            raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
         return res[0], res[1]
 
     @eager_boundary

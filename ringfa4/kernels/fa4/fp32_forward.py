@@ -23,6 +23,10 @@ last-dim stride 1 (out: 16-byte aligned pointer and strides). Kernels compile on
 :class:`Fp32Key` and are cached per process. The arch is FA4's choice (``FLASH_ATTENTION_ARCH`` or
 the device capability). Under ``FakeTensorMode`` (with ``FLASH_ATTENTION_ARCH`` / ``CUTE_DSL_ARCH``
 set) the kernels compile without a GPU and nothing runs: see :func:`compile_only`.
+
+The same preparation serves one call of FA4's own sm90 class, O in q's dtype (:func:`prepare_plain`,
+FA4's tile config and pack-GQA default): the backend's single call (``cp=None``) launches it from a
+plan instead of going through FA4's Python entry point on every call.
 """
 
 from __future__ import annotations
@@ -39,15 +43,17 @@ from ..eager import eager_boundary
 from ..spec import AttnSpec
 from .launch import plain
 
-__all__ = ["Compiled", "ForwardPlan", "Fp32Key", "Prepared", "compile_only", "fa4_forward_fp32", "prepare_forward"]
+__all__ = ["Compiled", "ForwardPlan", "Fp32Key", "Prepared", "compile_only", "fa4_forward_fp32", "prepare_forward",
+           "compile_only_plain", "prepare_plain"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class Fp32Key:
-    """Everything a compiled fp32-output forward is specialized on (window sizes, the softmax scale
-    and the sizes other than head_dim are runtime arguments)."""
+    """Everything a compiled forward of this module is specialized on (window sizes, the softmax scale
+    and the sizes other than head_dim are runtime arguments): the fp32-output one, its merging and
+    varlen variants, and FA4's own class for a single call (``plain``)."""
 
     arch: int  # FA4's arch number: 90, 100, ...
     dtype: torch.dtype
@@ -66,6 +72,8 @@ class Fp32Key:
     broadcast: tuple  # stride-0 dims of q, k, v (static in the compiled layouts)
     merge: bool = False  # sm90: the epilogue merges into an fp32 accumulator (kernels/fa4/epilogue_merge.py)
     varlen: bool = False  # packed q / k / v with cu_seqlens (kernels/fa4/varlen_fwd.py; sm90)
+    plain: bool = False  # sm90: FA4's own class, O in q's dtype (prepare_plain: the single call)
+    pack_gqa: bool = False  # plain only: FA4's default for GQA (the others take no pack-GQA)
 
 
 # Tried on the H200 and dropped (benchmarks/fa4_merge_epilogue.py, 64k ring block shapes; the code
@@ -148,13 +156,21 @@ def _sm90_class() -> type:
     return _Sm90Fp32Out
 
 
+@functools.cache
+def _fa4_sm90_class() -> type:
+    """FA4's own ``FlashAttentionForwardSm90`` (O in q's dtype, its TMA store): :func:`prepare_plain`."""
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+
+    return FlashAttentionForwardSm90
+
+
 def _make_kernel(key: Fp32Key, sm90_class: Callable[[], type]) -> Any:
     from flash_attn.cute import utils
     from flash_attn.cute.flash_fwd_sm100 import FlashAttentionForwardSm100
 
     score_mod = utils.create_softcap_scoremod(key.softcap) if key.softcap is not None else None
     common = dict(qhead_per_kvhead=key.qhead_per_kvhead, is_causal=key.causal, is_local=key.local,
-                  pack_gqa=False, score_mod=score_mod)
+                  pack_gqa=key.pack_gqa, score_mod=score_mod)
     if key.arch // 10 == 9:
         from flash_attn.cute.interface import torch2cute_dtype_map
 
@@ -282,6 +298,15 @@ class ForwardPlan(NamedTuple):
         for lo, hi in self.empty_rows:
             out[:, lo:hi].zero_()
 
+    def launch_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A :func:`prepare_plain` plan's call: ``out (b, s_q, h, d)`` in q's dtype and ``lse (b, h,
+        s_q)`` float32 allocated (contiguous, as its checked call allocated them), then launched."""
+        b, s_q, h, _ = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
+        self(q, k, v, out, lse)
+        return out, lse
+
 
 class Prepared(NamedTuple):
     """A checked call: ``tensors`` (q, k, v, out, lse) as the kernel takes them, its ``plan`` (None:
@@ -317,7 +342,26 @@ def prepare_forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
     """The checked path of :func:`_forward`: validation, the outputs (allocated when None), FA4's
     config, the compile; a call with no rows or no keys is finished here (nothing to launch).
     Raises before anything ran."""
-    merge = merge_class is not None
+    variant = ("merge", merge_class) if merge_class is not None else ("fp32", _sm90_class)
+    return _prepare(q, k, v, spec, (out, lse), arch, variant)
+
+
+def prepare_plain(q, k, v, spec: AttnSpec, arch: int | None = None) -> Prepared:
+    """One dense call of FA4's own sm90 forward kernel (``out`` in q's dtype, ``lse`` float32, both
+    allocated; FA4's tile config and its pack-GQA default), prepared as :func:`prepare_forward`
+    prepares the fp32 one, so a later call of the same signature replays the launch without FA4's
+    Python entry point (the single call, ``cp=None``). sm90 only (NotImplementedError elsewhere:
+    sm100's entry point does more than one launch); raises before anything ran."""
+    return _prepare(q, k, v, spec, (None, None), arch, ("plain", _fa4_sm90_class))
+
+
+def _prepare(q, k, v, spec: AttnSpec, outs: tuple, arch: int | None, variant: tuple[str, Callable[[], type]]
+             ) -> Prepared:
+    """:func:`prepare_forward` / :func:`prepare_plain`: ``outs = (out, lse)`` (None: allocated),
+    ``variant = (kind, sm90 kernel class)`` with kind "fp32", "merge" or "plain"."""
+    kind, sm90_class = variant
+    merge, plain = kind == "merge", kind == "plain"
+    out, lse = outs
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
@@ -337,14 +381,16 @@ def prepare_forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
     arch = interface._get_device_arch() if arch is None else arch
     if arch // 10 not in (9, 10, 11):
         raise NotImplementedError(f"the fp32-output FA4 forward runs on sm90 / sm100 only, got sm{arch}")
-    if merge and (arch // 10 != 9 or out is None or lse is None):
-        raise NotImplementedError(f"the merging FA4 forward runs on sm90 only, into given out / lse (sm{arch})")
+    if (merge or plain) and arch // 10 != 9:
+        raise NotImplementedError(f"the {kind} FA4 forward runs on sm90 only, got sm{arch}")
+    if merge and (out is None or lse is None):
+        raise NotImplementedError("the merging FA4 forward runs into given out / lse")
     try:
         interface._validate_head_dims(d, d, arch // 10, 16 // q.element_size())
     except AssertionError as exc:
         raise ValueError(str(exc)) from exc
     if out is None:
-        out = torch.empty(b, s_q, h, d, dtype=torch.float32, device=q.device)
+        out = torch.empty(b, s_q, h, d, dtype=q.dtype if plain else torch.float32, device=q.device)
     else:
         _check_out(out, "out", (b, s_q, h, d), q, 16)
     if lse is None:
@@ -361,20 +407,22 @@ def prepare_forward(q, k, v, spec: AttnSpec, out, lse, arch: int | None = None,
     given = (q, k, v)
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
+    pack_gqa = plain and h > h_kv  # FA4's own default (its entry point: pack_gqa = qhead_per_kvhead > 1)
     cfg = interface._get_fwd_config(
         arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=s_q, max_seqlen_k=s_k, num_head_kv=h_kv,
-        qhead_per_kvhead=h // h_kv, pack_gqa=False, batch_size=b, causal=causal, local=local,
+        qhead_per_kvhead=h // h_kv, pack_gqa=pack_gqa, batch_size=b, causal=causal, local=local,
         window_size_left=wl, window_size_right=wr, num_splits=1, device=q.device)
     key = Fp32Key(arch=arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal, local=local,
                   has_window_left=wl is not None, has_window_right=wr is not None,
                   softcap=float(softcap) if softcap else None, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
                   q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
-                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge)
+                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), merge=merge, plain=plain,
+                  pack_gqa=pack_gqa)
     split = arch // 10 != 9  # sm100: FA4's split-KV layout with a single split
     launch = _Launch(softmax_scale, wl, wr, s_q)
     if key not in _CACHE:
         o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if split else (out, lse)
-        _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch, merge_class or _sm90_class)
+        _CACHE[key] = _compile(key, (q, k, v, o_k, lse_k), launch, sm90_class)
     if is_fake_mode():
         return Prepared((q, k, v, out, lse), None, key, False)
     # a split that owns no key leaves its O rows unwritten (its lse = -inf is written)
@@ -402,11 +450,33 @@ def compile_only(arch: str | int, dtype: torch.dtype = torch.bfloat16, head_dim:
     b, s_q, s_k, h, h_kv = shape
     merge = merge_class is not None
     with FakeTensorMode():
-        q = torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda")
-        kv = torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda")
+        q, kv = _fake_qkv(shape, head_dim, dtype)
         out = torch.empty(b, s_q, h, head_dim, dtype=torch.float32, device="cuda") if merge else None
         planes = torch.empty(b, h, 2, s_q, dtype=torch.float32, device="cuda")
         run = planes.narrow(2, 0, 1).squeeze(2) if merge else None  # narrow: [] needs CUDA on fake tensors
         spec = _spec(causal, head_dim ** -0.5, window, softcap)
         _, _, key = _forward(q, kv, kv, spec, out, run, arch_num, merge_class)
     return _CACHE[key]
+
+
+def compile_only_plain(arch: str | int = "sm_90a", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                       causal: bool = False, *, window: tuple[int | None, int | None] = (None, None),
+                       softcap: float = 0.0, shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4)) -> Compiled:
+    """Compile (without running) :func:`prepare_plain`'s kernel (sm90) on fake CUDA tensors; the
+    arguments and set-up of :func:`compile_only`."""
+    from flash_attn.cute.interface import _parse_arch_str
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
+    with FakeTensorMode():
+        q, kv = _fake_qkv(shape, head_dim, dtype)
+        key = prepare_plain(q, kv, kv, _spec(causal, head_dim ** -0.5, window, softcap), arch_num).key
+    return _CACHE[key]
+
+
+def _fake_qkv(shape: tuple[int, int, int, int, int], head_dim: int, dtype: torch.dtype):
+    """Inside a ``FakeTensorMode``: ``q (b, s_q, h, d)`` and ``kv (b, s_k, h_kv, d)`` on "cuda" for
+    ``shape = (b, s_q, s_k, h, h_kv)``."""
+    b, s_q, s_k, h, h_kv = shape
+    return (torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda"),
+            torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda"))
