@@ -35,7 +35,8 @@ class ViewMemo:
     ``make(*args)`` the first time for these base tensor objects and ``key``, the same result after.
     Results are found by the bases' ids; the memo keeps every base it saw alive, so no other object
     can take one of those ids while it lives: make one per call, never longer (it would keep that
-    call's buffers)."""
+    call's buffers). Only views: a travelling buffer's contents change every hop, so nothing that
+    copies or derives values from them (a backend's backward state does) may be kept here."""
 
     __slots__ = ("_got", "_alive")
 
