@@ -168,12 +168,12 @@ class Fa4Backend:
         """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
         -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
         key = None
-        if out is None and lse is None and spec.sinks is None and not spec.varlen:  # one call (cp=None, Ulysses)
+        single = out is None and lse is None and spec.sinks is None and not spec.varlen  # cp=None, Ulysses
+        if single:
             key = ("plain", spec, signature(q, k, v))
             plan = self._plans.get(key)
             if plan is not None and aligned((q, k, v), 16):
                 return plan.launch_new(q, k, v)
-            return self._forward_plain(q, k, v, spec, key)
         if out is not None and lse is not None and spec.sinks is None:
             if spec.varlen:  # the cu_seqlens are launch arguments: their values change per pack
                 cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
@@ -190,6 +190,10 @@ class Fa4Backend:
                 return out, lse
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
+        if single:
+            got = self._forward_plain(q, k, v, spec, key)
+            if got is not None:
+                return got
         lead = tuple(q.shape[:-2])
         h = q.shape[-2]
         fp32_out = out is not None and out.dtype == torch.float32 and q.dtype != torch.float32
@@ -220,34 +224,26 @@ class Fa4Backend:
             return out, res[1]
         return res[0], res[1]
 
-    def _forward_plain(self, q, k, v, spec: AttnSpec, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """The checked path of a call without given outputs: on sm90 FA4's own forward kernel
-        prepared (:func:`.fp32_forward.prepare_plain`), its plan kept under ``key``; elsewhere, or
-        where that does not run (head dims it lacks), FA4's entry point."""
-        validate_block(q, k, v, spec)
-        _check_inputs(q, spec)
+    def _forward_plain(self, q, k, v, spec: AttnSpec, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A checked call without given outputs on sm90: FA4's own forward kernel prepared
+        (:func:`.fp32_forward.prepare_plain`), run, its plan kept under ``key``; None, nothing run,
+        elsewhere or where it does not apply (head dims it lacks): the caller then runs FA4's entry point."""
         from .bwd_accum import _arch
 
-        if _arch() // 10 == 9:
-            from .fp32_forward import prepare_plain
+        if _arch() // 10 != 9:
+            return None
+        from .fp32_forward import prepare_plain
 
-            try:
-                prepared = prepare_plain(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)))
-            except AssertionError as exc:
-                raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
-            except (ValueError, TypeError, NotImplementedError):  # raised before anything ran
-                prepared = None
-            if prepared is not None:
-                prepared.run()
-                if prepared.replayable:
-                    self._plans.put(key, prepared.plan)
-                return prepared.tensors[3], prepared.tensors[4]
-        fwd, _ = _kernels()
         try:
-            res = fwd(q, k, v, **_common(q, spec), return_lse=True)
+            prepared = prepare_plain(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)))
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
-        return res[0], res[1]
+        except (ValueError, TypeError, NotImplementedError):  # raised before anything ran
+            return None
+        prepared.run()
+        if prepared.replayable:
+            self._plans.put(key, prepared.plan)
+        return prepared.tensors[3], prepared.tensors[4]
 
     @eager_boundary
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
