@@ -182,13 +182,15 @@ class RingGraphs:
         allocation ended, and the key eager."""
         grad = torch.is_grad_enabled()
         with torch.inference_mode(False), torch.set_grad_enabled(grad):
-            before = _requested_bytes()
             static = _unflat([t.detach().clone() for t in _flat(lists)], lists)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # once eagerly: compiles, lazy inits, prepared launches
                 fn(run, *static)
             torch.cuda.current_stream().wait_stream(side)
+            # counted from here: what the eager run leaves (device tensors made lazily and kept, or a
+            # cache's entries it evicts) depends on earlier calls, and is not the capture's
+            before = _requested_bytes() - sum(t.nbytes for t in _flat(static))
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -210,7 +212,9 @@ class RingGraphs:
 def _requested_bytes() -> int:
     """Device memory the caching allocator has handed out, in the sizes asked for (a block's own size
     depends on which free block it was cut from, so ``memory_allocated`` deltas of one capture vary
-    with the pool's history; measured: 160 KiB on one pack recaptured after an eviction)."""
+    with the pool's history; measured: 160 KiB on one pack recaptured after an eviction). Taken
+    around the capture alone: around the eager run before it too, one pack read 351 KiB more at its
+    first capture than when recaptured, where earlier tests had run in the process."""
     return torch.cuda.memory_stats().get("requested_bytes.all.current", torch.cuda.memory_allocated())
 
 
