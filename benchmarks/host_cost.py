@@ -193,7 +193,25 @@ def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
             rows.append({"what": f"FA4 flash_attn_func {name}", **host_us(fa4, cycles, queued_ms, reps)})
         rows.append({"what": f"ringfa4 cp=None {name}",
                      **host_us(rotating(cp_step(None, backward), sets), cycles, queued_ms, reps)})
+    rows += _backward_alone(sets, cycles, queued_ms, reps)
     return rows
+
+
+def _backward_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
+    """The backward by itself, without autograd: FA4's ``_flash_attn_bwd`` and the backend's
+    ``backward`` (sm90: FA4's kernels from a prepared plan) on the same forward's out / lse."""
+    from ringfa4.kernels import AttnSpec
+
+    try:
+        from flash_attn.cute import interface
+    except ImportError:
+        return []
+    be, spec = get_backend("fa4"), AttnSpec(causal=True)
+    args = [(q, k, v, *be.forward(q, k, v, spec), do) for q, k, v, do in sets]
+    fa4 = rotating(lambda q, k, v, o, lse, do: interface._flash_attn_bwd(q, k, v, o, do, lse, causal=True), args)
+    ours = rotating(lambda q, k, v, o, lse, do: be.backward(do, q, k, v, o, lse, spec), args)
+    return [{"what": "FA4 _flash_attn_bwd alone", **host_us(fa4, cycles, queued_ms, reps)},
+            {"what": "ringfa4 Fa4Backend.backward alone", **host_us(ours, cycles, queued_ms, reps)}]
 
 
 def _pack_lengths(total: int, seed: int = 0) -> list[int]:

@@ -4,9 +4,10 @@ stubbed to return at once, and the FA4 backend's CUDA-device check skipped (its 
 checks kept). FA4's path: its entry points ``interface._flash_attn_fwd`` / ``_flash_attn_bwd``
 answer at once (fresh empty outputs and gradients, allocated as FA4 allocates them), so FA4's own
 Python inside them (config, cache key, argument list: most of its host time on the device) is not
-counted. ringfa4's path, as on sm90: the forward's prepared launch (``fp32_forward.prepare_plain``,
-its plan replayed: signature, alignment, the outputs' allocation and the launch call) with the
-compiled kernel a no-op, the backward through the stubbed ``_flash_attn_bwd``. What is left is each
+counted. ringfa4's path, as on sm90: the forward's and the backward's prepared launches
+(``fp32_forward.prepare_plain``, ``plain_backward.prepare_backward``, their plans replayed:
+signature, alignment, the outputs' and scratch's allocation and the launch calls) with the compiled
+kernels no-ops. What is left is each
 path's Python around the kernels: checks, the autograd op, the spec, our launch; the issue-23
 target is that ``cp=None`` costs no more than FA4's own entry point, and this comparison leaves
 FA4's inner Python out, so it is the harder one. The device's numbers (kernels real) are
@@ -14,7 +15,9 @@ FA4's inner Python out, so it is the harder one. The device's numbers (kernels r
 
     python3 benchmarks/single_call_floor.py --out benchmarks/results/single_call_floor_cpu.json
 
-Shapes: b = 1, ``--tokens`` (4096), h = 32 / kv 8, d = 128, bf16, causal. Per path and pass (fwd,
+Shapes: b = 1, ``--tokens`` (4096), h = kv = 32 (MHA: a GQA backward zero-fills two fp32
+accumulators, on the device one asynchronous memset each, on the CPU milliseconds of real work that
+would hide the Python), d = 128, bf16, causal. Per path and pass (fwd,
 fwd+bwd): host us a call, the median over ``--rounds`` rounds of ``--reps`` calls each (the
 minimum too), the two paths interleaved round by round.
 """
@@ -32,7 +35,7 @@ import torch
 
 import ringfa4
 
-H, HK, D = 32, 8, 128
+H, HK, D = 32, 32, 128
 
 
 @contextlib.contextmanager
@@ -44,7 +47,8 @@ def stubbed_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
     from ringfa4.kernels import get_backend
     from ringfa4.kernels.fa4 import backend as fb
-    from ringfa4.kernels.fa4 import bwd_accum, fp32_forward
+    from ringfa4.kernels.fa4 import bwd_accum, fp32_forward, plain_backward
+    from ringfa4.kernels.fa4.bwd_plan import sm90_plan
 
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
@@ -70,15 +74,28 @@ def stubbed_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         plan = fp32_forward.ForwardPlan(fp32_forward.Compiled(None, None, kernel), (), False, ())
         return fp32_forward.Prepared((q_, k_, v_, torch.empty_like(out), torch.empty_like(lse)), plan, None, True)
 
+    def backward_kernel(*args):  # the prepared backward's main kernel
+        calls["bwd"] += 1
+
+    def no_op(*args):  # its pre- and postprocess
+        pass
+
+    def prepare_backward(q_, k_, v_, out_, dout_, lse_, spec, arch=None):  # the kernels compiled as no-ops
+        d = q_.shape[-1]
+        kernels = plain_backward._Kernels(no_op, backward_kernel, no_op, no_op if q_.shape[2] > k_.shape[2] else None)
+        tiles = sm90_plan(90, d, plain_backward._config(d, spec.causal, False))
+        return plain_backward.Prepared(plain_backward.BackwardPlan(kernels, tiles, spec.scale(d), ()), None)
+
     saved = (interface._flash_attn_fwd, interface._flash_attn_bwd, fb._check_inputs, fp32_forward.prepare_plain,
-             bwd_accum._arch)
+             plain_backward.prepare_backward, bwd_accum._arch)
     interface._flash_attn_fwd, interface._flash_attn_bwd, fb._check_inputs = fwd, bwd, check_inputs
-    fp32_forward.prepare_plain, bwd_accum._arch = prepare_plain, lambda: 90
+    fp32_forward.prepare_plain, plain_backward.prepare_backward = prepare_plain, prepare_backward
+    bwd_accum._arch = lambda: 90
     try:
         yield calls
     finally:
         (interface._flash_attn_fwd, interface._flash_attn_bwd, fb._check_inputs, fp32_forward.prepare_plain,
-         bwd_accum._arch) = saved
+         plain_backward.prepare_backward, bwd_accum._arch) = saved
         get_backend("fa4")._plans.clear()  # no stubbed plan outlives the stubs
 
 

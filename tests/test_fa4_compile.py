@@ -30,10 +30,12 @@ KERNELS = {  # kernel classes whose PTX/cubin must appear in the dump for each a
 
 # (name, dense (b, s_q, s_k) or varlen (q lengths, k lengths), h, h_kv, d, AttnSpec kwargs, fresh)
 # fresh: "f" / "b" when the pattern needs a forward / backward kernel that no earlier pattern compiled
-# (checked through FA4's JIT cache). Window sizes and sequence lengths are runtime values, so e.g.
-# causal + left window reuses the (left, right) kernel and s_q > s_k reuses the s_q < s_k one. Shapes
-# matter a little: with a single query tile per head (two on sm100) the forward takes a static
-# persistent scheduler, a kernel of its own, so most patterns use s_q > 256 like real ring blocks.
+# (checked through FA4's JIT cache, and sm90's dense non-deterministic backward through the cache of
+# the prepared single-call backward, kernels/fa4/plain_backward.py). Window sizes and sequence lengths
+# are runtime values, so e.g. causal + left window reuses the (left, right) kernel and s_q > s_k
+# reuses the s_q < s_k one. Shapes matter a little: with a single query tile per head (two on sm100)
+# the forward takes a static persistent scheduler, a kernel of its own, so most patterns use
+# s_q > 256 like real ring blocks.
 PATTERNS = [
     ("causal_sq<sk", (2, 384, 512), 4, 4, 128, dict(causal=True), "fb"),
     ("causal_sq>sk", (2, 512, 384), 4, 4, 128, dict(causal=True), ""),
@@ -89,7 +91,7 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
 
     from ringfa4.kernels import AttnSpec
     from ringfa4.kernels.fa4 import backend as fa4_module
-    from ringfa4.kernels.fa4 import fp32_forward
+    from ringfa4.kernels.fa4 import fp32_forward, plain_backward
     from ringfa4.kernels.fa4.backend import Fa4Backend
     from ringfa4.kernels.validate import validate_block
 
@@ -136,7 +138,8 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
             k = torch.empty(*k_lead, h_kv, d, dtype=bf16, device="cuda")
             v = torch.empty(*k_lead, h_kv, d, dtype=bf16, device="cuda")
             # forwards: FA4's entry point's kernels, or (sm90 dense) FA4's kernel class prepared by ours
-            n_fwd, n_bwd, t0 = len(fwd_cache) + len(fp32_forward._CACHE), len(bwd_cache), time.perf_counter()
+            n_plain = len(plain_backward._CACHE)
+            n_fwd, n_bwd, t0 = len(fwd_cache) + len(fp32_forward._CACHE), len(bwd_cache) + n_plain, time.perf_counter()
             out, lse = backend.forward(q, k, v, spec)
             t1 = time.perf_counter()
             dq, dk, dv = backend.backward(torch.empty_like(out), q, k, v, out, lse, spec)
@@ -146,7 +149,11 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
         for what, (t, shape, dtype) in got.items():
             assert isinstance(t, FakeTensor) and t.device.type == "cuda", (name, what, type(t), t.device)
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, what, t.shape, t.dtype)
-        new_fwd, new_bwd = len(fwd_cache) + len(fp32_forward._CACHE) - n_fwd, len(bwd_cache) - n_bwd
+        new_fwd = len(fwd_cache) + len(fp32_forward._CACHE) - n_fwd
+        new_bwd = len(bwd_cache) + len(plain_backward._CACHE) - n_bwd
+        # sm90's dense non-deterministic backward: FA4's own kernels from ringfa4's prepared plan
+        prepared = arch == "sm_90a" and not spec.varlen and not spec.deterministic
+        assert len(plain_backward._CACHE) - n_plain == (new_bwd if prepared else 0), (name, new_bwd)
         assert new_fwd >= ("f" in fresh) and new_bwd >= ("b" in fresh), (
             f"{name}: expected a fresh compile ({fresh!r}), got {new_fwd} forward, {new_bwd} backward")
         results.append(dict(name=name, new_fwd=new_fwd, new_bwd=new_bwd,

@@ -132,6 +132,45 @@ def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
             assert compile_count() == before
 
 
+@pytest.mark.parametrize("case", DENSE[:9], ids=[f"{_id(c[-1])}-h{c[3]}:{c[4]}-d{c[5]}" for c in DENSE[:9]])
+def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
+    """A dense backward (``cp=None``, Ulysses) runs FA4's own sm90 kernels from a prepared plan
+    (:mod:`~ringfa4.kernels.fa4.plain_backward`): FA4's ``_flash_attn_bwd`` results, bit for bit
+    where FA4's fp32 atomics cannot reorder (dQ of at most two kv tiles, dK / dV of at most two q
+    heads a kv head), elsewhere as close to float64 as FA4's own (1.05x); the second call of the
+    same signature, on other tensors, replays the launches: no checked path, no compile."""
+    from flash_attn.cute import interface
+
+    from ringfa4.kernels.fa4 import compile_count
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
+    b, s_q, s_k, h, h_kv, d, kw = case
+    spec = AttnSpec(**kw)
+    fa4_kw = dict(causal=spec.causal, softmax_scale=spec.scale(d), softcap=float(spec.softcap),
+                  window_size_left=spec.window_left, window_size_right=spec.window_right)
+    exact = {"dq": math.ceil(s_k / 128) <= 2, "dk": h // h_kv <= 2, "dv": h // h_kv <= 2}
+    for rep in range(2):
+        q, k, v, dout = random_qkv(b, s_q, s_k, h, h_kv, d, dtype=BF16, device="cuda", seed=rep * 17 + s_k)
+        out, lse = fa4.forward(q, k, v, spec)
+        want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw)
+        before = compile_count()
+        if rep:  # the replay: neither the checked path nor FA4's entry point runs
+            monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
+        got = fa4.backward(dout, q, k, v, out, lse, spec)
+        monkeypatch.undo()
+        ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
+                              softmax_scale=spec.softmax_scale)[2:]
+        for name, x, y, r, t in zip(("dq", "dk", "dv"), got, want, ref, (q, k, v)):
+            assert x.dtype == BF16 and x.shape == t.shape and x.is_contiguous(), name
+            if exact[name]:
+                assert torch.equal(x, y), (rep, name, (x.float() - y.float()).abs().max())
+            else:
+                assert rel_err(x, r) <= 1.05 * rel_err(y, r) + 1e-6, (rep, name, rel_err(x, r), rel_err(y, r))
+        if rep:
+            assert compile_count() == before
+
+
 def test_rows_that_see_no_key(fa4):
     """causal with s_q > s_k: rows i < s_q - s_k see nothing: lse -inf, out 0, dq 0."""
     q, k, v, dout = random_qkv(1, 200, 72, 4, 2, 64, dtype=BF16, device="cuda", seed=7)

@@ -8,10 +8,11 @@
 - :mod:`.epilogue_merge`: that forward merging into a ring's fp32 accumulator in its epilogue (sm90);
 - :mod:`.bwd_accum`: FA4's backward into fp32 accumulators across ring steps, with
   :mod:`.bwd_plan` holding each generation's tiles, kernels and postprocess (sm90, sm100);
-- :mod:`.varlen_bwd`: FA4's sm90 varlen backward added into fp32 accumulators (one block).
+- :mod:`.varlen_bwd`: FA4's sm90 varlen backward added into fp32 accumulators (one block);
+- :mod:`.plain_backward`: FA4's own sm90 backward prepared for a single dense call.
 
 Imports go one way: backend -> the kernels; epilogue_merge, varlen_fwd -> fp32_forward; bwd_accum ->
-bwd_plan; varlen_bwd -> bwd_accum, bwd_plan. :func:`compile_count` imports nothing.
+bwd_plan; varlen_bwd, plain_backward -> bwd_accum, bwd_plan. :func:`compile_count` imports nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = ["compile_count"]
 
 # our kernel caches: (module, attribute holding a dict, or a functools.cache'd compile function)
 _OUR_CACHES = (("ringfa4.kernels.fa4.fp32_forward", "_CACHE"), ("ringfa4.kernels.fa4.bwd_accum", "_CACHE"),
-               ("ringfa4.kernels.cute_merge", "_compiled"))
+               ("ringfa4.kernels.fa4.plain_backward", "_CACHE"), ("ringfa4.kernels.cute_merge", "_compiled"))
 
 
 def _size(cache) -> int:
@@ -35,6 +36,7 @@ def _size(cache) -> int:
 def compile_count() -> int:
     """Kernels compiled (or loaded from FA4's persistent cache) in this process so far: ringfa4's
     CuTe DSL caches (fp32-output / merging / varlen forwards, accumulating backwards, the LSE merge)
+    (a prepared single-call backward's entry counts once for its three to four kernels)
     plus every ``compile_cache`` of FA4's modules (``_flash_attn_fwd``, ``_flash_attn_bwd``, its
     pre- / postprocess, tile cumsum, combine, ...). Only modules already imported are read (nothing
     is imported: a cache of a module never loaded is empty). Triton kernels are not counted."""

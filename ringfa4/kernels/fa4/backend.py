@@ -128,7 +128,8 @@ class Fa4Backend:
     """Block attention through FA4's kernels: ``flash_attn.cute.interface._flash_attn_fwd`` /
     ``_flash_attn_bwd``, or, where this module prepares the launch itself, FA4's kernel classes from
     a plan per call signature (sm90: a forward without given outputs runs FA4's own class, one with
-    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`).
+    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`; a dense
+    backward FA4's own kernels, :mod:`.plain_backward`).
 
     ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
@@ -149,7 +150,7 @@ class Fa4Backend:
 
     def __init__(self, untested_archs: bool = False) -> None:
         self.untested_archs = untested_archs
-        self._plans = PlanCache()  # prepared launches of checked calls (.launch): forward, forward_merge
+        self._plans = PlanCache()  # prepared launches of checked calls (.launch): forward, forward_merge, backward
 
     def _ran_here(self) -> bool:
         from .bwd_accum import _arch
@@ -251,18 +252,54 @@ class Fa4Backend:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``dq (like q), dk, dv (like k, v)`` in q's dtype of one block, given the merged
         ``out`` / ``dout`` (like q; fp32 ones are cast to q's dtype, which FA4 requires) and ``lse``
-        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``)."""
+        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). Dense sm90 calls run FA4's own backward
+        from a plan per call signature (:mod:`.plain_backward`), others FA4's entry point."""
+        key = ("backward", spec, signature(q, k, v, out, dout, lse))
+        plan = self._plans.get(key)
+        if plan is not None and aligned((q, k, v, out, dout), 16):
+            return plan.launch_new(q, k, v, out, dout, lse)
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
         _check_grad_inputs(q, v, spec, out, dout, lse)
+        given = (out, dout, lse)
         out, dout = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (out, dout))
         lse = lse if lse.dtype == torch.float32 else lse.to(torch.float32)
+        got = self._backward_plain(q, k, v, (out, dout, lse), spec,
+                                   key if all(a is b for a, b in zip(given, (out, dout, lse))) else None)
+        if got is not None:
+            return got
         _, bwd = _kernels()
         try:
             grads = bwd(q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]
+
+    def _backward_plain(self, q, k, v, merged: tuple, spec: AttnSpec, key: tuple | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A checked backward of ``merged = (out, dout, lse)`` in q's dtype / float32 on sm90: FA4's
+        own backward prepared (:func:`.plain_backward.prepare_backward`), run, its plan kept under
+        ``key`` (None: the inputs were cast, so a later call of that signature is not this one); None,
+        nothing run, where it does not apply (deterministic, non-contiguous, head dims...): the
+        caller then runs FA4's entry point."""
+        from .bwd_accum import _arch
+
+        if _arch() // 10 != 9:
+            return None
+        from .plain_backward import prepare_backward
+
+        out, dout, lse = merged
+        try:
+            prepared = prepare_backward(q, k, v, out, dout, lse, spec)
+        except AssertionError as exc:
+            raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
+        except (ValueError, TypeError, NotImplementedError):  # raised before anything ran
+            return None
+        if prepared.plan is None:  # fake tensors: compiled, nothing to launch
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if key is not None:
+            self._plans.put(key, prepared.plan)
+        return prepared.plan.launch_new(q, k, v, out, dout, lse)
 
     @eager_boundary
     def backward_accumulate(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

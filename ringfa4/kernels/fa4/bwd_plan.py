@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BwdPlan", "make_kernel", "plan", "postprocess", "supported"]
+__all__ = ["BwdPlan", "make_kernel", "plan", "postprocess", "sm90_kernel", "sm90_plan", "supported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -94,11 +94,7 @@ def supported(arch: int, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> 
 def plan(arch: int, head_dim: int) -> BwdPlan:
     """The plan for ``arch`` (FA4's number: 90, 100, ...) and ``head_dim`` (see :func:`supported`)."""
     if arch // 10 == 9:
-        cfg = _sm90_config(head_dim)
-        threads_dq = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
-        return BwdPlan(arch, head_dim, cfg.m_block_size, cfg.n_block_size, 64 if cfg.dKV_swapAB else 32, 1,
-                       (cfg.m_block_size, threads_dq, cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False, 1, None),
-                       (cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, False, 1, None))
+        return sm90_plan(arch, head_dim, _sm90_config(head_dim))
     if arch // 10 in (10, 11):
         from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 
@@ -108,6 +104,14 @@ def plan(arch: int, head_dim: int) -> BwdPlan:
         return BwdPlan(arch, head_dim, tm, tn, 32, cluster, (tm, 128, 1, False, use2, 1, dq_order),
                        (tn, 128, 1, False, False, cluster, dkv_order))
     raise ValueError(f"no FA4 backward plan for sm{arch}")
+
+
+def sm90_plan(arch: int, head_dim: int, cfg: Any) -> BwdPlan:
+    """The sm90 plan of FA4's ``BwdConfig`` ``cfg`` (:func:`plan` passes the causal one)."""
+    threads_dq = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+    return BwdPlan(arch, head_dim, cfg.m_block_size, cfg.n_block_size, 64 if cfg.dKV_swapAB else 32, 1,
+                   (cfg.m_block_size, threads_dq, cfg.AtomLayoutMdQ, cfg.dQ_swapAB, False, 1, None),
+                   (cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV, cfg.dKV_swapAB, False, 1, None))
 
 
 @functools.cache
@@ -146,34 +150,47 @@ def _sm100_mha_class() -> type:
     return _Sm100MhaAccum
 
 
-def make_kernel(p: BwdPlan, key: Any) -> Any:
-    """The FA4 main-kernel object for an :class:`~.bwd_accum.AccumKey` under plan ``p``."""
+def _softcap_mods(softcap: float | None) -> dict:
+    """The score-mod keyword arguments of FA4's backward classes (softcap as FA4's entry point maps it)."""
     from flash_attn.cute import utils
-    from flash_attn.cute.interface import torch2cute_dtype_map
 
-    softcap = key.softcap
-    mods = dict(score_mod=utils.create_softcap_scoremod(softcap) if softcap else None,
+    return dict(score_mod=utils.create_softcap_scoremod(softcap) if softcap else None,
                 score_mod_bwd=utils.create_softcap_scoremod_bwd(softcap) if softcap else None, mask_mod=None,
                 has_aux_tensors=False, q_subtile_factor=2)
+
+
+def sm90_kernel(cls: type, cfg: Any, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, mask: tuple,
+                softcap: float | None) -> Any:
+    """An sm90 backward kernel object of ``cls`` (FA4's ``FlashAttentionBackwardSm90`` or a subclass)
+    under FA4's ``BwdConfig`` ``cfg``, as ``interface._flash_attn_bwd`` builds it: ``mask = (causal,
+    local)``, ``d == d_v``, not deterministic."""
+    from flash_attn.cute.interface import torch2cute_dtype_map
+
+    causal, local = mask
+    return cls(torch2cute_dtype_map[dtype], head_dim, head_dim, qhead_per_kvhead, causal, is_local=local,
+               deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q,
+               dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB,
+               dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP,
+               AtomLayoutNdKV=cfg.AtomLayoutNdKV, AtomLayoutMdQ=cfg.AtomLayoutMdQ,
+               num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False, dQ_single_wg=cfg.dQ_single_wg,
+               **_softcap_mods(softcap))
+
+
+def make_kernel(p: BwdPlan, key: Any) -> Any:
+    """The FA4 main-kernel object for an :class:`~.bwd_accum.AccumKey` under plan ``p``."""
     if p.arch // 10 == 9:
         from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
 
-        cfg = _sm90_config(key.head_dim)
         cls = FlashAttentionBackwardSm90 if key.qhead_per_kvhead > 1 else _sm90_mha_class()
-        return cls(torch2cute_dtype_map[key.dtype], key.head_dim, key.head_dim, max(2, key.qhead_per_kvhead),
-                   key.causal, is_local=key.local, deterministic=False, tile_m=cfg.m_block_size,
-                   tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
-                   PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
-                   dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
-                   AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
-                   dQ_single_wg=cfg.dQ_single_wg, **mods)
+        return sm90_kernel(cls, _sm90_config(key.head_dim), key.dtype, key.head_dim, max(2, key.qhead_per_kvhead),
+                           (key.causal, key.local), key.softcap)
     from flash_attn.cute.flash_bwd_sm100 import FlashAttentionBackwardSm100
 
     cls = FlashAttentionBackwardSm100 if key.qhead_per_kvhead > 1 else _sm100_mha_class()
     return cls(key.head_dim, key.head_dim, is_causal=key.causal, is_local=key.local,
                qhead_per_kvhead=key.qhead_per_kvhead, tile_m=p.tile_m, tile_n=p.tile_n,
                cluster_size=p.cluster_size, use_2cta_instrs=p.cluster_size == 2, deterministic=False, spt=False,
-               kv_subtile_factor=1, **mods)
+               kv_subtile_factor=1, **_softcap_mods(key.softcap))
 
 
 def postprocess(p: BwdPlan, kind: str, accum: torch.Tensor, out: torch.Tensor, scale: float, *,
