@@ -92,6 +92,63 @@ def test_varlen_replay_still_checks_the_cu_seqlens_values(monkeypatch):
     assert len(ran) == 1
 
 
+def test_backend_replays_a_backward_plan_only_for_its_signature(monkeypatch):
+    """The single call's backward (plain_backward.py): a plan stored under a backward call's key
+    launches for an equal call, skipping every check, on the call's own tensors; a call of other
+    strides goes the checked path (here: refused, no CUDA)."""
+    from ringfa4.kernels.fa4 import backend as fa4
+
+    ran, checked = [], []
+    monkeypatch.setattr(fa4, "validate_block", lambda *a, **k: checked.append(1))
+
+    class Plan:
+        def launch_new(self, *tensors):
+            ran.append(tensors)
+            return tensors[:3]
+
+    be = fa4.Fa4Backend()
+    q, out, dout = (torch.zeros(1, 64, 4, 16, dtype=torch.bfloat16) for _ in range(3))
+    k = v = torch.zeros(1, 32, 2, 16, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, 64)
+    spec = AttnSpec(causal=True)
+    be._plans.put(("backward", spec, signature(q, k, v, out, dout, lse)), Plan())
+    assert be.backward(dout, q, k, v, out, lse, spec) == (q, k, v) and not checked
+    assert ran[0][3] is out and ran[0][4] is dout and ran[0][5] is lse
+    wide = torch.zeros(1, 64, 8, 16, dtype=torch.bfloat16)[:, :, :4]  # same shape, other strides
+    with pytest.raises(fa4.Fa4Unsupported, match="CUDA"):
+        be.backward(dout, wide, k, v, out, lse, spec)
+    assert len(ran) == 1 and checked
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn-4 is not installed")
+def test_prepared_backward_declines_before_anything_runs():
+    """plain_backward.prepare_backward refuses what FA4's entry point must serve (the backend then
+    calls it): other archs, deterministic, varlen or sink specs, cast or non-contiguous inputs, head
+    dims FA4 lacks; each before any compile."""
+    from ringfa4.kernels.fa4 import plain_backward as pb
+
+    q, out, dout = (torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    k = v = torch.zeros(1, 32, 2, 64, dtype=torch.bfloat16)
+    lse, spec = torch.zeros(1, 4, 64), AttnSpec(causal=True)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    n = len(pb._CACHE)
+    cases = [
+        ("sm90 only", (q, k, v, out, dout, lse, spec, 100)),
+        ("not deterministic", (q, k, v, out, dout, lse, AttnSpec(causal=True, deterministic=True), 90)),
+        ("dense", (q, k, v, out, dout, lse, AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
+                                                     max_seqlen_k=64), 90)),
+        ("one dtype", (q, k, v, out.float(), dout, lse, spec, 90)),
+        ("contiguous", (q, k, v, out, dout, lse.transpose(1, 2).contiguous().transpose(1, 2), spec, 90)),
+        ("lse", (q, k, v, out, dout, torch.zeros(1, 4, 63), spec, 90)),
+        ("head_dim", (q[..., :60].contiguous(), k[..., :60].contiguous(), v[..., :60].contiguous(),
+                      out[..., :60].contiguous(), dout[..., :60].contiguous(), lse, spec, 90)),  # d = 60
+    ]
+    for why, args in cases:
+        with pytest.raises((NotImplementedError, TypeError, ValueError), match=why):
+            pb.prepare_backward(*args)
+    assert len(pb._CACHE) == n
+
+
 @pytest.fixture(scope="module")
 def sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
