@@ -138,7 +138,7 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     (:mod:`~ringfa4.kernels.fa4.plain_backward`): FA4's ``_flash_attn_bwd`` results, bit for bit
     where FA4's fp32 atomics cannot reorder (dQ of at most two kv tiles, dK / dV of at most two q
     heads a kv head), elsewhere as close to float64 as FA4's own (1.05x); the second call of the
-    same signature, on other tensors, replays the launches: no checked path, no compile."""
+    same signature, on other tensors, replays the launches: no checked path, no compile, no host sync."""
     from flash_attn.cute import interface
 
     from ringfa4.kernels.fa4 import compile_count
@@ -157,7 +157,11 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
         before = compile_count()
         if rep:  # the replay: neither the checked path nor FA4's entry point runs
             monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
-        got = fa4.backward(dout, q, k, v, out, lse, spec)
+            torch.cuda.set_sync_debug_mode("error")  # and no host sync
+        try:
+            got = fa4.backward(dout, q, k, v, out, lse, spec)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         monkeypatch.undo()
         ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
                               softmax_scale=spec.softmax_scale)[2:]
