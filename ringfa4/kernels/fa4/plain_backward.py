@@ -33,7 +33,7 @@ from .bwd_accum import AccumKey
 from .bwd_plan import BwdPlan, sm90_kernel, sm90_plan
 from .launch import plain
 
-__all__ = ["BackwardPlan", "PlainBwdKey", "compile_only", "prepare_backward"]
+__all__ = ["BackwardPlan", "PlainBwdKey", "prepare_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -201,21 +201,3 @@ def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         return Prepared(None, key)
     return Prepared(BackwardPlan(_CACHE[key], p, scale, tail), key)
 
-
-def compile_only(arch: str | int = "sm_90a", dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
-                 causal: bool = False, *, window: tuple[int | None, int | None] = (None, None),
-                 softcap: float = 0.0, shape: tuple[int, int, int, int, int] = (2, 384, 512, 4, 4)) -> _Kernels:
-    """Compile (without running) the plan's kernels on fake CUDA tensors of ``shape = (b, s_q, s_k,
-    h, h_kv)``; the set-up of :func:`.fp32_forward.compile_only` (the process targets the arch)."""
-    from flash_attn.cute.interface import _parse_arch_str
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    arch_num = _parse_arch_str(arch) if isinstance(arch, str) else int(arch)
-    b, s_q, s_k, h, h_kv = shape
-    spec = AttnSpec(causal=causal, window=tuple(window), softcap=softcap)
-    with FakeTensorMode():
-        q = torch.empty(b, s_q, h, head_dim, dtype=dtype, device="cuda")
-        kv = torch.empty(b, s_k, h_kv, head_dim, dtype=dtype, device="cuda")
-        lse = torch.empty(b, h, s_q, dtype=torch.float32, device="cuda")
-        key = prepare_backward(q, kv, kv, q, q, lse, spec, arch_num).key
-    return _CACHE[key]
