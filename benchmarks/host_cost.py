@@ -200,8 +200,6 @@ def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
 def _backward_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
     """The backward by itself, without autograd: FA4's ``_flash_attn_bwd`` and the backend's
     ``backward`` (sm90: FA4's kernels from a prepared plan) on the same forward's out / lse."""
-    from ringfa4.kernels import AttnSpec
-
     try:
         from flash_attn.cute import interface
     except ImportError:

@@ -254,20 +254,23 @@ class Fa4Backend:
         ``out`` / ``dout`` (like q; fp32 ones are cast to q's dtype, which FA4 requires) and ``lse``
         (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). Dense sm90 calls run FA4's own backward
         from a plan per call signature (:mod:`.plain_backward`), others FA4's entry point."""
-        key = ("backward", spec, signature(q, k, v, out, dout, lse))
-        plan = self._plans.get(key)
-        if plan is not None and aligned((q, k, v, out, dout), 16):
-            return plan.launch_new(q, k, v, out, dout, lse)
+        key = None
+        if not spec.varlen and spec.sinks is None:  # calls a plan may serve (:mod:`.plain_backward`)
+            key = ("backward", spec, signature(q, k, v, out, dout, lse))
+            plan = self._plans.get(key)
+            if plan is not None and aligned((q, k, v, out, dout), 16):
+                return plan.launch_new(q, k, v, out, dout, lse)
         validate_block(q, k, v, spec)
         _check_inputs(q, spec)
         _check_grad_inputs(q, v, spec, out, dout, lse)
         given = (out, dout, lse)
         out, dout = (t if t.dtype == q.dtype else t.to(q.dtype) for t in (out, dout))
         lse = lse if lse.dtype == torch.float32 else lse.to(torch.float32)
-        got = self._backward_plain(q, k, v, (out, dout, lse), spec,
-                                   key if all(a is b for a, b in zip(given, (out, dout, lse))) else None)
-        if got is not None:
-            return got
+        if key is not None:
+            got = self._backward_plain(q, k, v, (out, dout, lse), spec,
+                                       key if all(a is b for a, b in zip(given, (out, dout, lse))) else None)
+            if got is not None:
+                return got
         _, bwd = _kernels()
         try:
             grads = bwd(q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)

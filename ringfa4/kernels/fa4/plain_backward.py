@@ -30,16 +30,12 @@ import torch
 
 from ..spec import AttnSpec
 from .bwd_accum import AccumKey
-from .bwd_plan import BwdPlan, sm90_kernel, sm90_plan
+from .bwd_plan import BwdPlan, _rup, sm90_kernel, sm90_plan
 from .launch import plain
 
 __all__ = ["BackwardPlan", "PlainBwdKey", "prepare_backward"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _rup(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 @dataclass(frozen=True)
