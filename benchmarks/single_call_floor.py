@@ -84,7 +84,7 @@ def stubbed_fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         d = q_.shape[-1]
         kernels = plain_backward._Kernels(no_op, backward_kernel, no_op, no_op if q_.shape[2] > k_.shape[2] else None)
         tiles = sm90_plan(90, d, plain_backward._config(d, spec.causal, False))
-        return plain_backward.Prepared(plain_backward.BackwardPlan(kernels, tiles, spec.scale(d), ()), None)
+        return plain_backward.Prepared(plain_backward.BackwardPlan(kernels, tiles, spec.scale(d), (), ()), None)
 
     saved = (interface._flash_attn_fwd, interface._flash_attn_bwd, fb._check_inputs, fp32_forward.prepare_plain,
              plain_backward.prepare_backward, bwd_accum._arch)

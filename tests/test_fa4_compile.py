@@ -30,7 +30,7 @@ KERNELS = {  # kernel classes whose PTX/cubin must appear in the dump for each a
 
 # (name, dense (b, s_q, s_k) or varlen (q lengths, k lengths), h, h_kv, d, AttnSpec kwargs, fresh)
 # fresh: "f" / "b" when the pattern needs a forward / backward kernel that no earlier pattern compiled
-# (checked through FA4's JIT cache, and sm90's dense non-deterministic backward through the cache of
+# (checked through FA4's JIT cache, and sm90's dense backward, deterministic too, through the cache of
 # the prepared single-call backward, kernels/fa4/plain_backward.py). Window sizes and sequence lengths
 # are runtime values, so e.g. causal + left window reuses the (left, right) kernel and s_q > s_k
 # reuses the s_q < s_k one. Shapes matter a little: with a single query tile per head (two on sm100)
@@ -49,6 +49,7 @@ PATTERNS = [
     ("d64_full", (2, 384, 512), 4, 4, 64, dict(), "fb"),
     ("softcap_causal", (2, 384, 384), 4, 4, 128, dict(causal=True, softcap=30.0, softmax_scale=0.1), "fb"),
     ("deterministic_causal", (2, 384, 384), 4, 4, 128, dict(causal=True, deterministic=True), "b"),
+    ("gqa_deterministic_causal", (2, 384, 512), 8, 2, 128, dict(causal=True, deterministic=True), "b"),
     ("short_causal", (2, 128, 384), 4, 4, 128, dict(causal=True), ""),  # sm100: own (persistent) kernel
     ("varlen_causal", ([64, 192, 320], [64, 192, 320]), 4, 4, 128, dict(causal=True), "fb"),
     ("varlen_gqa_causal", ([100, 0, 300], [200, 0, 300]), 8, 2, 128, dict(causal=True), "fb"),
@@ -151,8 +152,8 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, what, t.shape, t.dtype)
         new_fwd = len(fwd_cache) + len(fp32_forward._CACHE) - n_fwd
         new_bwd = len(bwd_cache) + len(plain_backward._CACHE) - n_bwd
-        # sm90's dense non-deterministic backward: FA4's own kernels from ringfa4's prepared plan
-        prepared = arch == "sm_90a" and not spec.varlen and not spec.deterministic
+        # sm90's dense backward (deterministic too): FA4's own kernels from ringfa4's prepared plan
+        prepared = arch == "sm_90a" and not spec.varlen
         assert len(plain_backward._CACHE) - n_plain == (new_bwd if prepared else 0), (name, new_bwd)
         assert new_fwd >= ("f" in fresh) and new_bwd >= ("b" in fresh), (
             f"{name}: expected a fresh compile ({fresh!r}), got {new_fwd} forward, {new_bwd} backward")

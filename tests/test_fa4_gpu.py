@@ -132,13 +132,18 @@ def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
             assert compile_count() == before
 
 
-@pytest.mark.parametrize("case", DENSE[:9], ids=[f"{_id(c[-1])}-h{c[3]}:{c[4]}-d{c[5]}" for c in DENSE[:9]])
+PLAIN_BWD = DENSE + [(2, 300, 500, 4, 4, 64, dict(causal=True, deterministic=True))]  # MHA: a dQ semaphore only
+
+
+@pytest.mark.parametrize("case", PLAIN_BWD, ids=[f"{_id(c[-1])}-h{c[3]}:{c[4]}-d{c[5]}" for c in PLAIN_BWD])
 def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     """A dense backward (``cp=None``, Ulysses) runs FA4's own sm90 kernels from a prepared plan
     (:mod:`~ringfa4.kernels.fa4.plain_backward`): FA4's ``_flash_attn_bwd`` results, bit for bit
     where FA4's fp32 atomics cannot reorder (dQ of at most two kv tiles, dK / dV of at most two q
-    heads a kv head), elsewhere as close to float64 as FA4's own (1.05x); the second call of the
-    same signature, on other tensors, replays the launches: no checked path, no compile, no host sync."""
+    heads a kv head) and always for deterministic specs (FA4's semaphore-ordered kernel, its
+    semaphores zeroed per call), elsewhere as close to float64 as FA4's own (1.05x); the second call
+    of the same signature, on other tensors, replays the launches: no checked path, no compile, no
+    host sync."""
     from flash_attn.cute import interface
 
     from ringfa4.kernels.fa4 import compile_count
@@ -150,10 +155,12 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     fa4_kw = dict(causal=spec.causal, softmax_scale=spec.scale(d), softcap=float(spec.softcap),
                   window_size_left=spec.window_left, window_size_right=spec.window_right)
     exact = {"dq": math.ceil(s_k / 128) <= 2, "dk": h // h_kv <= 2, "dv": h // h_kv <= 2}
+    if spec.deterministic:
+        exact = dict.fromkeys(exact, True)
     for rep in range(2):
         q, k, v, dout = random_qkv(b, s_q, s_k, h, h_kv, d, dtype=BF16, device="cuda", seed=rep * 17 + s_k)
         out, lse = fa4.forward(q, k, v, spec)
-        want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw)
+        want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw, deterministic=spec.deterministic)
         before = compile_count()
         if rep:  # the replay: neither the checked path nor FA4's entry point runs
             monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))

@@ -252,8 +252,9 @@ class Fa4Backend:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``dq (like q), dk, dv (like k, v)`` in q's dtype of one block, given the merged
         ``out`` / ``dout`` (like q; fp32 ones are cast to q's dtype, which FA4 requires) and ``lse``
-        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). Dense sm90 calls run FA4's own backward
-        from a plan per call signature (:mod:`.plain_backward`), others FA4's entry point."""
+        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). Dense sm90 calls (deterministic ones
+        too) run FA4's own backward from a plan per call signature (:mod:`.plain_backward`), others
+        FA4's entry point."""
         key = None
         if not spec.varlen and spec.sinks is None:  # calls a plan may serve (:mod:`.plain_backward`)
             key = ("backward", spec, signature(q, k, v, out, dout, lse))
@@ -283,8 +284,8 @@ class Fa4Backend:
         """A checked backward of ``merged = (out, dout, lse)`` in q's dtype / float32 on sm90: FA4's
         own backward prepared (:func:`.plain_backward.prepare_backward`), run, its plan kept under
         ``key`` (None: the inputs were cast, so a later call of that signature is not this one); None,
-        nothing run, where it does not apply (deterministic, non-contiguous, head dims...): the
-        caller then runs FA4's entry point."""
+        nothing run, where it does not apply (non-contiguous, head dims...): the caller then runs
+        FA4's entry point."""
         from .bwd_accum import _arch
 
         if _arch() // 10 != 9:

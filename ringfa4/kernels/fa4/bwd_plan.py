@@ -160,15 +160,16 @@ def _softcap_mods(softcap: float | None) -> dict:
 
 
 def sm90_kernel(cls: type, cfg: Any, dtype: torch.dtype, head_dim: int, qhead_per_kvhead: int, mask: tuple,
-                softcap: float | None) -> Any:
+                softcap: float | None, deterministic: bool = False) -> Any:
     """An sm90 backward kernel object of ``cls`` (FA4's ``FlashAttentionBackwardSm90`` or a subclass)
     under FA4's ``BwdConfig`` ``cfg``, as ``interface._flash_attn_bwd`` builds it: ``mask = (causal,
-    local)``, ``d == d_v``, not deterministic."""
+    local)``, ``d == d_v``; ``deterministic``: FA4's semaphore-ordered reductions of dQ (and GQA's
+    dK / dV)."""
     from flash_attn.cute.interface import torch2cute_dtype_map
 
     causal, local = mask
     return cls(torch2cute_dtype_map[dtype], head_dim, head_dim, qhead_per_kvhead, causal, is_local=local,
-               deterministic=False, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q,
+               deterministic=deterministic, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q,
                dO_stage=cfg.num_stages_dO, PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB,
                dKV_swapAB=cfg.dKV_swapAB, dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP,
                AtomLayoutNdKV=cfg.AtomLayoutNdKV, AtomLayoutMdQ=cfg.AtomLayoutMdQ,

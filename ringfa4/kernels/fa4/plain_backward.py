@@ -14,10 +14,12 @@ calls of the same signature allocate the outputs and scratch and launch.
 Shapes and dtypes: ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)``, ``out, dout (b, s_q, h, d)``
 fp16 / bf16 (one dtype), ``lse (b, h, s_q)`` float32 natural log -> ``dq, dk, dv`` like q, k, v.
 Causal is bottom-right aligned, windows ``(left, right)`` (None = unbounded), softcap as FA4's
-score mod. sm90 only, ``d == d_v``, not deterministic (FA4's semaphore path stays on its entry
-point), contiguous inputs (what FA4 would copy first is not prepared). The results are FA4's:
-the same kernels with the same configuration and arguments (dQ and GQA's dK / dV are reduced with
-fp32 atomics, so, as FA4's own, they may differ between runs in the last bits).
+score mod. sm90 only, ``d == d_v``, contiguous inputs (what FA4 would copy first is not prepared).
+The results are FA4's: the same kernels with the same configuration and arguments. dQ and GQA's
+dK / dV are reduced with fp32 atomics, so, as FA4's own, they may differ between runs in the last
+bits; a deterministic spec runs FA4's deterministic kernel instead, its reductions ordered through
+int32 semaphores that are zeroed for every call as FA4's entry point zeroes them (bit-identical
+from run to run).
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ _DTYPES = (torch.float16, torch.bfloat16)
 class PlainBwdKey(AccumKey):
     """What the kernels of one plan are specialized on: :class:`~.bwd_accum.AccumKey`'s fields (window
     sizes, the softmax scale and every size but the head dim are runtime arguments), for FA4's own
-    main-kernel class under its config for the call's mask (never equal to an AccumKey)."""
+    main-kernel class under its config for the call's mask (never equal to an AccumKey), and whether
+    it is FA4's deterministic kernel."""
+
+    deterministic: bool = False
 
 
 class _Kernels(NamedTuple):
@@ -66,13 +71,28 @@ def _config(head_dim: int, causal: bool, local: bool) -> Any:
 
 
 class BackwardPlan(NamedTuple):
-    """One prepared backward: the compiled kernels, the plan's tiles and roundings, the softmax scale
-    and the main kernel's arguments after its nine tensors."""
+    """One prepared backward: the compiled kernels, the plan's tiles and roundings, the softmax scale,
+    the main kernel's arguments between its nine tensors and its semaphores (``head``) and after
+    them (``tail``), and whether the kernel is deterministic (it then takes zeroed semaphores)."""
 
     kernels: _Kernels
     bwd_plan: BwdPlan
     softmax_scale: float
+    head: tuple
     tail: tuple
+    deterministic: bool = False
+
+    def semaphores(self, b: int, h: int, h_kv: int, s_q_r: int, s_k_r: int, device: torch.device) -> tuple:
+        """``(dQ, dK, dV)`` int32 semaphores, zeroed, as FA4's entry point allocates them for sm90
+        (cluster size 1): dQ ``(b, h, s_q_r / tile_m, 1)``, for GQA dK / dV ``(b, h_kv, s_k_r /
+        tile_n, 2)``; Nones where the kernel takes none (not deterministic; dK / dV of MHA)."""
+        if not self.deterministic:
+            return None, None, None
+        p, i32 = self.bwd_plan, dict(dtype=torch.int32, device=device)
+        dq = torch.zeros(b, h, s_q_r // p.tile_m, 1, **i32)
+        if h == h_kv:
+            return dq, None, None
+        return (dq, *(torch.zeros(b, h_kv, s_k_r // p.tile_n, 2, **i32) for _ in "kv"))
 
     def launch_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    dout: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,13 +107,13 @@ class BackwardPlan(NamedTuple):
         dpsum, lse_log2 = torch.empty(b, h, s_q_r, **f32), torch.empty(b, h, s_q_r, **f32)
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         q, k, v, out, dout, lse = (plain(t) for t in (q, k, v, out, dout, lse))
-        kern = self.kernels
+        kern, sem = self.kernels, self.semaphores(b, h, h_kv, s_q_r, s_k_r, q.device)
         kern.preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, None, None, None, None, None, 1.0, None, None)
         if kern.post_dkv is None:  # MHA: the main kernel writes dK / dV in q's dtype
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *self.tail)
+            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *self.head, *sem, *self.tail)
         else:  # GQA: q heads of a kv head reduce-add into fp32 accumulators
             dk_accum, dv_accum = (torch.zeros(b, h_kv, s_k_r * d_r, **f32) for _ in "kv")
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *self.tail)
+            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *self.head, *sem, *self.tail)
             kern.post_dkv(dk_accum, dk, self.softmax_scale, None, None, None, None)
             kern.post_dkv(dv_accum, dv, 1.0, None, None, None, None)
         kern.post_dq(dq_accum, dq, self.softmax_scale, None, None, None, None)
@@ -108,17 +128,28 @@ class Prepared(NamedTuple):
     key: PlainBwdKey
 
 
-def _main_tail(softmax_scale: float, wl: int | None, wr: int | None) -> tuple:
-    """The main kernel's arguments after its nine tensors, as FA4's entry point passes them for a
-    dense call (no varlen, semaphores, aux tensors, block sparsity or tile cumsum; the stream implicit)."""
+def _main_args(softmax_scale: float, wl: int | None, wr: int | None) -> tuple[tuple, tuple]:
+    """The main kernel's arguments between its nine tensors and its three semaphores, and after
+    them, as FA4's entry point passes them for a dense call (no varlen, aux tensors, block sparsity
+    or tile cumsum; the stream implicit)."""
     from flash_attn.cute.utils import AuxData
 
-    return (softmax_scale, None, None, None, None, wl, wr, None, None, None, AuxData(None, None), None, None)
+    return (softmax_scale, None, None, None, None, wl, wr), (AuxData(None, None), None, None)
 
 
-def _compile(key: PlainBwdKey, p: BwdPlan, tensors: tuple, tail: tuple) -> _Kernels:
+def _semaphore_arg(t: torch.Tensor | None) -> Any:
+    """A semaphore for the main kernel's compile, converted as FA4's entry point converts it."""
+    from flash_attn.cute import utils
+
+    if t is None:
+        return None
+    return utils.convert_from_dlpack_leading_static(t.detach(), leading_dim=3, alignment=4,
+                                                    stride_order=t.dim_order())
+
+
+def _compile(key: PlainBwdKey, p: BwdPlan, tensors: tuple, args: tuple) -> _Kernels:
     """FA4's preprocess, main kernel and postprocess(es) for ``key`` (``tensors``: the main kernel's
-    nine, for its compile)."""
+    nine, for its compile; ``args``: its (head, semaphores, tail) arguments)."""
     import cutlass.cute as cute
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
@@ -129,9 +160,11 @@ def _compile(key: PlainBwdKey, p: BwdPlan, tensors: tuple, tail: tuple) -> _Kern
     pre = interface._compile_bwd_preprocess(dtype, d, d, p.tile_m, False, False, False, True, False, True, True,
                                             False, False, 1, 1, False, d_round)
     kernel = sm90_kernel(FlashAttentionBackwardSm90, _config(d, key.causal, key.local), key.dtype, d,
-                         key.qhead_per_kvhead, (key.causal, key.local), key.softcap)
+                         key.qhead_per_kvhead, (key.causal, key.local), key.softcap, key.deterministic)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    main = cute.compile(kernel, *(to_cute_tensor(t) for t in tensors), *tail, stream, options="--enable-tvm-ffi")
+    head, sem, tail = args
+    main = cute.compile(kernel, *(to_cute_tensor(t) for t in tensors), *head, *(_semaphore_arg(t) for t in sem),
+                        *tail, stream, options="--enable-tvm-ffi")
 
     def post(kind: str) -> Any:
         tile, threads, atom, swap, use2, cluster, order = p.dq_post if kind == "dq" else p.dkv_post
@@ -144,8 +177,8 @@ def _compile(key: PlainBwdKey, p: BwdPlan, tensors: tuple, tail: tuple) -> _Kern
 def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                      lse: torch.Tensor, spec: AttnSpec, arch: int | None = None) -> Prepared:
     """The checked path: shapes, dtypes, layout and FA4's config; the kernels compiled once per
-    :class:`PlainBwdKey`. Raises (before anything ran) NotImplementedError off sm90 or for
-    deterministic specs, ValueError / TypeError for inputs it does not take (non-contiguous,
+    :class:`PlainBwdKey`. Raises (before anything ran) NotImplementedError off sm90 or for varlen
+    or sink specs, ValueError / TypeError for inputs it does not take (non-contiguous,
     ``d != d_v``, empty, head dims FA4 lacks): the caller then runs FA4's entry point."""
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import get_broadcast_dims
@@ -154,8 +187,8 @@ def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     arch = interface._get_device_arch() if arch is None else arch
     if arch // 10 != 9:
         raise NotImplementedError(f"the prepared FA4 backward runs on sm90 only, got sm{arch}")
-    if spec.deterministic or spec.varlen or spec.sinks is not None:
-        raise NotImplementedError("the prepared FA4 backward is dense, without sinks, not deterministic")
+    if spec.varlen or spec.sinks is not None:
+        raise NotImplementedError("the prepared FA4 backward is dense, without sinks")
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (k, v, out, dout)) or lse.dtype != torch.float32:
         raise TypeError(f"q, k, v, out, dout must share one dtype of fp16/bf16 and lse be float32, got "
                         f"{[t.dtype for t in (q, k, v, out, dout, lse)]}")
@@ -183,17 +216,19 @@ def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                       has_window_left=wl is not None, has_window_right=wr is not None,
                       softcap=float(spec.softcap) if spec.softcap else None,
                       broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v, dout)),
-                      single_q_block=_rup(s_q, p.tile_m) == p.tile_m, single_k_block=_rup(s_k, p.tile_n) == p.tile_n)
+                      single_q_block=_rup(s_q, p.tile_m) == p.tile_m, single_k_block=_rup(s_k, p.tile_n) == p.tile_n,
+                      deterministic=bool(spec.deterministic))
     scale = spec.scale(d)
-    tail = _main_tail(scale, wl, wr)
+    head, tail = _main_args(scale, wl, wr)
     if key not in _CACHE:
         f32 = dict(dtype=torch.float32, device=q.device)
         d_r, s_q_r, s_k_r = p.head_dim_rounded, _rup(s_q, p.tile_m), _rup(s_k, p.tile_n)
         rows = torch.empty(b, h, s_q_r, **f32)
         kv = (torch.empty(b, h_kv, s_k_r * d_r, **f32),) * 2 if h > h_kv else (k, v)
         tensors = (q, k, v, dout, rows, rows, torch.empty(b, h, s_q_r * d_r, **f32), *kv)
-        _CACHE[key] = _compile(key, p, tensors, tail)
+        plan = BackwardPlan(None, p, scale, head, tail, key.deterministic)
+        _CACHE[key] = _compile(key, p, tensors, (head, plan.semaphores(b, h, h_kv, s_q_r, s_k_r, q.device), tail))
     if is_fake_mode():
         return Prepared(None, key)
-    return Prepared(BackwardPlan(_CACHE[key], p, scale, tail), key)
+    return Prepared(BackwardPlan(_CACHE[key], p, scale, head, tail, key.deterministic), key)
 
