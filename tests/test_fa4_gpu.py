@@ -182,6 +182,41 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
             assert compile_count() == before
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_single_call_backward_takes_strided_views(fa4, deterministic, monkeypatch):
+    """The prepared backward takes what FA4's entry point takes as it is: views of last-dim stride 1
+    (a head group of bigger q / k / v / out / dout, a row range of a bigger lse, as Ulysses' head
+    split and the ring's per-block backward pass them): FA4's ``_flash_attn_bwd`` results on the same
+    views (bit for bit: deterministic, or dK / dV of two q heads a kv head and dQ of two kv tiles),
+    its plan stored and replayed on other views of the same strides."""
+    from flash_attn.cute import interface
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
+    spec = AttnSpec(causal=True, deterministic=deterministic)
+    s_q, s_k, d = 200, 256, 128
+    for rep in range(2):
+        q_all, k_all, v_all, do_all = random_qkv(1, s_q, s_k, 12, 6, d, dtype=BF16, device="cuda", seed=rep + 5)
+        q, do = q_all[:, :, 4:8], do_all[:, :, 4:8]  # q heads 4..7 of 12: kv heads 2..3 of 6
+        k, v = k_all[:, :, 2:4], v_all[:, :, 2:4]
+        out_all, lse_all = fa4.forward(q_all[:, :, 4:8].contiguous(), k.contiguous(), v.contiguous(), spec)
+        out = torch.zeros(1, s_q, 12, d, dtype=BF16, device="cuda")
+        out[:, :, 4:8] = out_all
+        out = out[:, :, 4:8]
+        lse_big = torch.zeros(1, 4, s_q + 64, device="cuda")
+        lse_big[:, :, 32:32 + s_q] = lse_all
+        lse = lse_big.narrow(2, 32, s_q)
+        assert not any(t.is_contiguous() for t in (q, k, v, out, do, lse))
+        want = interface._flash_attn_bwd(q, k, v, out, do, lse, causal=True, softmax_scale=spec.scale(d),
+                                         deterministic=deterministic)
+        if rep:
+            monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
+        got = fa4.backward(do, q, k, v, out, lse, spec)
+        monkeypatch.undo()
+        for name, x, y in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(x, y), (rep, name, (x.float() - y.float()).abs().max())
+
+
 def test_rows_that_see_no_key(fa4):
     """causal with s_q > s_k: rows i < s_q - s_k see nothing: lse -inf, out 0, dq 0."""
     q, k, v, dout = random_qkv(1, 200, 72, 4, 2, 64, dtype=BF16, device="cuda", seed=7)

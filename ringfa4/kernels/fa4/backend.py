@@ -284,8 +284,8 @@ class Fa4Backend:
         """A checked backward of ``merged = (out, dout, lse)`` in q's dtype / float32 on sm90: FA4's
         own backward prepared (:func:`.plain_backward.prepare_backward`), run, its plan kept under
         ``key`` (None: the inputs were cast, so a later call of that signature is not this one); None,
-        nothing run, where it does not apply (non-contiguous, head dims...): the caller then runs
-        FA4's entry point."""
+        nothing run, where it does not apply (last-dim stride not 1, head dims...): the caller then
+        runs FA4's entry point."""
         from .bwd_accum import _arch
 
         if _arch() // 10 != 9:

@@ -14,7 +14,9 @@ calls of the same signature allocate the outputs and scratch and launch.
 Shapes and dtypes: ``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)``, ``out, dout (b, s_q, h, d)``
 fp16 / bf16 (one dtype), ``lse (b, h, s_q)`` float32 natural log -> ``dq, dk, dv`` like q, k, v.
 Causal is bottom-right aligned, windows ``(left, right)`` (None = unbounded), softcap as FA4's
-score mod. sm90 only, ``d == d_v``, contiguous inputs (what FA4 would copy first is not prepared).
+score mod. sm90 only, ``d == d_v``, inputs of last-dim stride 1 (views such as a head group's or
+a row range's, which FA4's entry point also passes on as they are; what it would copy first is not
+prepared).
 The results are FA4's: the same kernels with the same configuration and arguments. dQ and GQA's
 dK / dV are reduced with fp32 atomics, so, as FA4's own, they may differ between runs in the last
 bits; a deterministic spec runs FA4's deterministic kernel instead, its reductions ordered through
@@ -178,7 +180,7 @@ def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      lse: torch.Tensor, spec: AttnSpec, arch: int | None = None) -> Prepared:
     """The checked path: shapes, dtypes, layout and FA4's config; the kernels compiled once per
     :class:`PlainBwdKey`. Raises (before anything ran) NotImplementedError off sm90 or for varlen
-    or sink specs, ValueError / TypeError for inputs it does not take (non-contiguous,
+    or sink specs, ValueError / TypeError for inputs it does not take (last-dim stride not 1,
     ``d != d_v``, empty, head dims FA4 lacks): the caller then runs FA4's entry point."""
     from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import get_broadcast_dims
@@ -202,8 +204,8 @@ def prepare_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                          f"{tuple(dout.shape)}, {tuple(lse.shape)}")
     if h_kv == 0 or h % h_kv != 0 or q.numel() == 0 or k.numel() == 0:
         raise ValueError(f"need h={h} a multiple of h_kv={h_kv} and rows on both sides")
-    if not all(t.is_contiguous() for t in (q, k, v, out, dout, lse)):
-        raise ValueError("the prepared FA4 backward takes contiguous inputs")
+    if any(t.stride(-1) != 1 for t in (q, k, v, out, dout, lse)):
+        raise ValueError("the prepared FA4 backward takes inputs of last-dim stride 1 (contiguous rows)")
     try:
         interface._validate_head_dims(d, d, arch // 10, 16 // q.element_size())
     except AssertionError as exc:
