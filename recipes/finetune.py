@@ -396,7 +396,8 @@ def dry_run(cfg: FinetuneConfig) -> str:
     else:
         mc = AutoConfig.from_pretrained(m.path)
     plan = ringfa4.parallel.plan_cp(p.cp, mc.num_attention_heads, getattr(mc, "num_key_value_heads", None)
-                                    or mc.num_attention_heads, p.cp, "config (dry run)", p.layout)
+                                    or mc.num_attention_heads, p.cp, "config (dry run)", p.layout,
+                                    packed=True)  # the recipe's rows are packed documents
     n_params = _flops_per_token(mc, 0) / 6 + 2 * mc.vocab_size * mc.hidden_size
     bytes_per = torch.finfo(getattr(torch, m.dtype)).bits // 8
     local_tokens = t.seq_len // p.cp

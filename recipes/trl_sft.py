@@ -143,8 +143,9 @@ def dry_run(cfg: FinetuneConfig) -> str:
     else:
         mc = AutoConfig.from_pretrained(m.path)
     kv = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-    plan = ringfa4.parallel.plan_cp(p.cp, mc.num_attention_heads, kv, p.cp, "config (dry run)", p.layout)
     args = sft_config(cfg, cfg.checkpoint.dir or "runs/trl_sft")
+    plan = ringfa4.parallel.plan_cp(p.cp, mc.num_attention_heads, kv, p.cp, "config (dry run)", p.layout,
+                                    packed=bool(args.packing))  # what the trainer plans for these batches
     text = "\n".join([
         f"mesh: dp={p.dp} x cp={p.cp} ({p.dp * p.cp} ranks), ringfa4.hf.SFTTrainer (DDP / accelerate FSDP2)",
         plan.describe(),

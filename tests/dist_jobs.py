@@ -149,9 +149,10 @@ def failing_rank(fail_rank, timeout_s):
     return "no error"
 
 
-def auto_plan(domain, heads, kv):
+def auto_plan(domain, heads, kv, packed=False):
     """ContextParallel.auto with a given domain: the plan and a hybrid attention that works."""
-    cp = ringfa4.ContextParallel.auto(num_heads=heads, num_kv_heads=kv, nvlink_domain_size=domain, backend="reference")
+    cp = ringfa4.ContextParallel.auto(num_heads=heads, num_kv_heads=kv, nvlink_domain_size=domain, backend="reference",
+                                      packed=packed)
     S = 8 * cp.world_size
     q, k, v, _ = _inputs(1, S, heads, kv, 8, torch.float64, 3)
     out = ringfa4.attention(cp.shard(q), cp.shard(k), cp.shard(v), cp=cp, causal=True)
@@ -226,6 +227,25 @@ def packed_bad(kind):
     q = torch.randn(rows, 2, 8)
     ringfa4.attention(q, q, q, cp=cp, packing=pack, causal=True)
     return "no error"
+
+
+def tiny_packs(backend):
+    """Packs of few tokens through ``cp.pack`` (auto) and ``hf.shard_batch`` on this rank: each
+    rank's token count per pack, or the shard_batch error of a pack too small for every rank."""
+    import ringfa4.hf as rhf
+
+    cp = ringfa4.ContextParallel(layout="zigzag", backend=backend)
+    out = {}
+    for lengths in ([20, 25, 19], [30, 34], [1, 2]):
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        ids = torch.arange(sum(lengths)).view(1, -1)
+        pos = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
+        try:
+            shard = rhf.shard_batch({"input_ids": ids, "position_ids": pos}, cp)
+            out[str(lengths)] = ("ok", shard.input_ids.shape[1], cp.pack(cu).packing.balanced)
+        except ValueError as exc:
+            out[str(lengths)] = ("ValueError", str(exc))
+    return out
 
 
 def hf_case(kind, lengths, S, ulysses):

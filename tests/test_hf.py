@@ -6,6 +6,7 @@ ranks close to its gradients (float32)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -115,3 +116,21 @@ def test_auto_cp_respects_head_counts():
     assert plan.ulysses == 8 and "K/V replicated x4" in plan.describe()
     cp = rhf.auto_cp(LlamaConfig(num_attention_heads=8, num_key_value_heads=2), backend="reference")
     assert cp.world_size == 1 and cp.ulysses == 1
+
+
+def test_gloo_tiny_packs_reach_every_rank_or_fail_alike(pools):
+    """A pack too short for the tile-aligned balanced placement to give every rank tokens (64
+    tokens over 4 ranks with FA4's 128-token tile) falls back to the layout inside every document,
+    so no rank's model layers see a zero-length shard; a pack of fewer tokens than ranks is the
+    same ValueError, naming the empty rank, on every rank before any forward."""
+    res = pools(4).run("tiny_packs", "auto")
+    assert all(status == "ok" for status, _ in res), res
+    for lengths in ("[20, 25, 19]", "[30, 34]"):
+        got = [value[lengths] for _, value in res]
+        assert all(g[0] == "ok" and g[1] > 0 and not g[2] for g in got), got  # every rank holds tokens
+        assert sum(g[1] for g in got) == 64
+    bad = {value["[1, 2]"] for _, value in res}
+    assert len(bad) == 1, bad
+    status, message = bad.pop()
+    assert status == "ValueError" and re.search(r"row of 3 tokens .* leaves CP rank \d of 4 without tokens", message), \
+        message

@@ -27,6 +27,18 @@ def test_plan_on_described_topologies(world, heads, kv, domain, want):
     assert f"Ulysses {want[0]} x ring {want[1]}" in text
 
 
+@pytest.mark.parametrize("world,heads,kv,domain", [(8, 32, 8, 8), (32, 32, 8, 8), (72, 72, 8, 72), (8, 9, 3, 8)])
+def test_packed_documents_take_the_ring_alone(world, heads, kv, domain):
+    """Batches of packed documents: U = 1 whatever the heads and the domain allow (the balanced
+    ring beat every U x R on the measured packs), and the plan says why."""
+    dense, packed = plan_cp(world, heads, kv, domain), plan_cp(world, heads, kv, domain, packed=True)
+    assert (packed.ulysses, packed.ring) == (1, world) and packed.packed and not dense.packed
+    assert "packed documents: the ring alone" in packed.describe()
+    assert "packed documents" not in dense.describe()
+    with pytest.raises(ValueError, match="packed must be a bool"):
+        plan_cp(world, heads, kv, domain, packed=1)
+
+
 def test_plan_rejects_bad_topologies():
     with pytest.raises(ValueError, match="num_kv_heads must divide"):
         plan_cp(8, 32, 5, 8)

@@ -249,10 +249,11 @@ def test_simulated_hybrid(P, U, h_kv, kw):
     _assert_close((out, lse, qq.grad, kk.grad, vv.grad), ref, base, torch.float64, f"sim P={P} U={U}")
 
 
-@pytest.mark.parametrize("domain,heads,kv,want", [(2, 8, 2, (2, 2)), (4, 8, 1, (4, 1)), (4, 6, 6, (2, 2)),
-                                                  (1, 8, 8, (1, 4))])
-def test_gloo_auto_plan(pools, domain, heads, kv, want):
-    res = pools(4).run("auto_plan", domain, heads, kv)
+@pytest.mark.parametrize("domain,heads,kv,packed,want", [(2, 8, 2, False, (2, 2)), (4, 8, 1, False, (4, 1)),
+                                                         (4, 6, 6, False, (2, 2)), (1, 8, 8, False, (1, 4)),
+                                                         (4, 8, 1, True, (1, 4))])  # packed documents: the ring
+def test_gloo_auto_plan(pools, domain, heads, kv, packed, want):
+    res = pools(4).run("auto_plan", domain, heads, kv, packed)
     for status, value in res:
         assert status == "ok", value
         assert (value["ulysses"], value["ring"]) == want and value["err"] < 1e-12

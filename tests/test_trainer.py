@@ -62,6 +62,7 @@ def test_trainer_dense_equals_single_process(pools, tmp_path_factory, tmp_path, 
     ref = _reference(pools, tmp_path_factory, {**DENSE, "trainer": "plain", "per_device": 2})
     got = _run(pools(world), {**DENSE, "trainer": "trainer", "cp": cp, "per_device": per_device}, tmp_path)
     _assert_same_run(got[0], ref)
+    assert got[0]["cp_plan"] == (cp, 1)  # dense rows, 4 heads, one node: Ulysses over the whole cp group
     assert all(_close(v["losses"][-1], ref["losses"][-1]) for v in got)  # every rank logs the global loss
     mine, theirs = got[0]["predictions"], ref["predictions"]
     assert mine.shape == theirs.shape, (mine.shape, theirs.shape)
@@ -77,11 +78,13 @@ SFT = {"kind": "qwen2", "trainer": "sft", "eval": True}
 def test_sft_packed_equals_single_process(pools, tmp_path_factory, tmp_path, world, cp):
     """SFTConfig(packing=True): rows of up to 64 tokens holding several documents (Qwen2 with a
     sliding layer); the reference flattens the dp ranks' rows into one padding-free row (also in
-    evaluation: the eval loss is over each step's dp-global batch)."""
+    evaluation: the eval loss is over each step's dp-global batch). The trainer plans the ring alone
+    for packed batches (``cp_packed`` from SFTConfig.packing), where dense rows get Ulysses."""
     dp = world // cp
     ref = _reference(pools, tmp_path_factory, {**SFT, "trainer": "plain_sft", "per_device": dp})
     got = _run(pools(world), {**SFT, "cp": cp, "per_device": 1}, tmp_path)
     _assert_same_run(got[0], ref)
+    assert got[0]["cp_plan"] == (1, cp)  # packing=True: the planner runs the ring alone
     row = got[0]["logs"][0]
     assert _close(row["mean_token_accuracy"], ref["logs"][0]["mean_token_accuracy"], 1e-4), (row, ref["logs"][0])
     assert row["num_tokens"] == ref["logs"][0]["num_tokens"], (row, ref["logs"][0])

@@ -142,6 +142,8 @@ def trainer_run(spec: dict, out: str) -> dict:
         again.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{spec['resume']}"))
         res["resumed"] = _history(again)["losses"]
     res["weights"] = _flat(trainer.model) if rank == 0 else None
+    if hasattr(trainer, "cp"):  # the planner's (U, R) for this trainer's batches
+        res["cp_plan"] = (trainer.cp.ulysses, trainer.cp.ring_size)
     if dist.is_initialized():
         dist.barrier()
     return res

@@ -95,11 +95,12 @@ def register(cp: ContextParallel | None = None, name: str = NAME) -> str:
 
 
 def auto_cp(config, group=None, nvlink_domain_size: int | None = None, backend="auto",
-            layout: str = "zigzag", options: RingOptions | None = None) -> ContextParallel:
+            layout: str = "zigzag", options: RingOptions | None = None, packed: bool = False) -> ContextParallel:
     """``ContextParallel.auto`` for a transformers model config: the planner sees the model's q and
     K/V head counts, so its Ulysses degree divides the heads (K/V replicated when fewer);
-    ``options``: the :class:`~ringfa4.options.RingOptions` of every call."""
+    ``options``: the :class:`~ringfa4.options.RingOptions` of every call; ``packed``: the batches are
+    packed documents (the planner then runs the ring alone)."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     return ContextParallel.auto(group, num_heads=heads, num_kv_heads=kv, nvlink_domain_size=nvlink_domain_size,
-                                backend=backend, layout=layout, options=options)
+                                backend=backend, layout=layout, options=options, packed=packed)

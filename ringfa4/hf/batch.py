@@ -89,6 +89,13 @@ def shard_batch(batch: dict, cp: ContextParallel, shift_labels: bool = True, key
         if cu is None:
             cu = cu_seqlens_from_position_ids(pos[0])
         pack = cp.pack(cu.to(torch.int32).cpu())
+        place = pack.placement
+        empty = [r for r in range(place.world_size) if place.rows(r) == 0]
+        if empty and not cp.is_simulated:  # the same on every rank: the pack is the batch's global one
+            raise ValueError(f"shard_batch: the packed row of {place.total} tokens ({len(place.doc_lengths)} "
+                             f"documents) leaves CP rank {empty[0]} of {place.world_size} without tokens (expected at "
+                             "least 1 token a rank: a model's layers cannot run a zero-length shard); pack longer "
+                             "rows or use a smaller cp")
         targets = _shift(labels, cu[:-1].long().cpu()) if shift_labels else labels
         local_ids, local_targets = pack.shard(ids, dim=1), pack.shard(targets, dim=1)
         positions = pack.positions(ids.device).unsqueeze(0)

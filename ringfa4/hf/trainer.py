@@ -113,11 +113,14 @@ class ContextParallelMixin:
 
     Keyword arguments besides the Trainer's: ``cp_size`` (CP degree; dp = world / cp_size),
     ``cp_options`` (the :class:`~ringfa4.RingOptions` of every attention call), ``cp_layout``
-    ("zigzag" or "contiguous"), ``long_context`` (a :class:`~ringfa4.hf.LongContext`, applied to the
-    model), ``peak_tflops`` (per device, for the logged MFU). ``model`` must be a model object."""
+    ("zigzag" or "contiguous"), ``cp_packed`` (the batches are packed documents, so the planner runs
+    the ring alone, no Ulysses; None: the training arguments' ``packing``, TRL's SFTConfig, else
+    False), ``long_context`` (a :class:`~ringfa4.hf.LongContext`, applied to the model),
+    ``peak_tflops`` (per device, for the logged MFU). ``model`` must be a model object."""
 
     def __init__(self, *args, cp_size: int = 1, cp_options: RingOptions | None = None, cp_layout: str = "zigzag",
-                 long_context: LongContext | None = None, peak_tflops: float = H100_BF16_TFLOPS, **kwargs) -> None:
+                 cp_packed: bool | None = None, long_context: LongContext | None = None,
+                 peak_tflops: float = H100_BF16_TFLOPS, **kwargs) -> None:
         if len(args) > 2:
             raise TypeError("pass the trainer's arguments after model and args by keyword")
         kwargs.update(zip(("model", "args"), args))
@@ -130,6 +133,9 @@ class ContextParallelMixin:
         targs = kwargs["args"]
         if cp_options is not None and not isinstance(cp_options, RingOptions):
             raise ValueError(f"cp_options must be a ringfa4.RingOptions, got {type(cp_options).__name__}")
+        if cp_packed is not None and not isinstance(cp_packed, bool):
+            raise ValueError(f"cp_packed must be a bool or None, got {cp_packed!r}")
+        packed = bool(getattr(targs, "packing", False)) if cp_packed is None else cp_packed
         if long_context is not None and not isinstance(long_context, LongContext):
             raise ValueError(f"long_context must be a ringfa4.hf.LongContext, got {type(long_context).__name__}")
         if long_context is not None and long_context.checkpoint and targs.gradient_checkpointing:
@@ -140,7 +146,7 @@ class ContextParallelMixin:
         _check_args(targs, cp_size, world, kwargs)
         self._cp_check_args(targs, kwargs)
         _check_model(model, targs)
-        self._cp_setup(model, device, cp_size, world, (cp_layout, cp_options))
+        self._cp_setup(model, device, cp_size, world, (cp_layout, cp_options, packed))
         if long_context is not None:
             enable_long_context(model, long_context)
         self._cp_peak_tflops = float(peak_tflops)
@@ -157,14 +163,16 @@ class ContextParallelMixin:
         """Trainer-specific checks of the arguments (``kwargs``: the Trainer's); raise ValueError."""
 
     def _cp_setup(self, model, device: torch.device, cp_size: int, world: int, layout_options: tuple) -> None:
-        """The mesh, the ContextParallel, the attention implementation."""
-        layout, options = layout_options
+        """The mesh, the ContextParallel, the attention implementation; ``layout_options``: (layout,
+        RingOptions, packed)."""
+        layout, options, packed = layout_options
         base = _base_model(model)
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(device.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-            cp = auto_cp(base.config.get_text_config(), group=mesh["cp"], layout=layout, options=options)
+            cp = auto_cp(base.config.get_text_config(), group=mesh["cp"], layout=layout, options=options,
+                         packed=packed)
             self._cp_mesh, self._cp_dp_group = mesh, mesh["dp"].get_group()
             self._cp_dp_rank = mesh["dp"].get_local_rank()
         else:

@@ -150,16 +150,17 @@ class ContextParallel:
     @classmethod
     def auto(cls, group=None, num_heads: int | None = None, num_kv_heads: int | None = None,
              nvlink_domain_size: int | None = None, backend="auto", layout: str = "zigzag",
-             options: RingOptions | None = None) -> ContextParallel:
+             options: RingOptions | None = None, packed: bool = False) -> ContextParallel:
         """(U, R) from the planner (:mod:`ringfa4.parallel.planner`): U as large as the heads and
         the NVLink domain (``nvlink_domain_size``, else ``options.nvlink_domain``, else detected)
-        allow, the ring for the rest. ``cp.describe()`` says what it chose."""
+        allow, the ring for the rest; ``packed=True`` (batches of packed documents): the ring
+        alone. ``cp.describe()`` says what it chose."""
         if num_heads is None or num_kv_heads is None:
             raise ValueError("ContextParallel.auto needs num_heads and num_kv_heads")
         probe = cls(group, layout, backend, options=options)
         given = nvlink_domain_size if nvlink_domain_size is not None else probe.options.nvlink_domain
         domain, source = detect_nvlink_domain(given, probe.group)
-        plan = plan_cp(probe.world_size, num_heads, num_kv_heads, domain, source, layout)
+        plan = plan_cp(probe.world_size, num_heads, num_kv_heads, domain, source, layout, packed)
         cp = probe if plan.ulysses == 1 else cls(probe.group, layout, backend, plan.ulysses, options=probe.options)
         cp.plan = plan
         return cp
@@ -209,7 +210,10 @@ class ContextParallel:
           (each rank receives just the pieces its rows see) by the rule of
           :func:`~ringfa4.parallel.allgather.prefer_allgather` applied to the split documents;
         - "auto" (default): "balanced" (the solver itself falls back to splitting every document
-          where that balances best, which is the per-document placement);
+          where that balances best, which is the per-document placement), except where the
+          balanced placement leaves a rank without tokens and the layout inside every document
+          gives every rank some (tiny packs: fewer tokens than the tile-aligned pieces can
+          spread; a model's layers cannot run a zero-length shard): then that layout;
         - "ring" / "allgather": the layout inside every document, every token's K/V moving by ring
           hops / the exchange (kept for comparison and for the layout's own chunking).
         ``pack.describe()`` prints the placement and the balance reached."""
@@ -220,6 +224,9 @@ class ContextParallel:
             if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype != torch.int32:
                 raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
             packing = Packing(cu_seqlens, self.ring_layout, balanced=mode in ("auto", "balanced"))
+            if mode == "auto" and _leaves_a_rank_empty(packing):
+                spread = Packing(packing.cu, self.ring_layout)
+                packing = packing if _leaves_a_rank_empty(spread) else spread
         except ValueError as exc:
             error = f"{self.comm.where()}{exc}"
         if not self.is_simulated:  # every rank's cu_seqlens compared: the same ValueError everywhere
@@ -334,6 +341,12 @@ class _RingAttention(torch.autograd.Function):
         ctx.sink_io = None
         return (cp.comm.join(place, dqs, dim), cp.comm.join(place, dks, dim), cp.comm.join(place, dvs, dim),
                 None, None, None, None, dsinks, None)
+
+
+def _leaves_a_rank_empty(packing: Packing) -> bool:
+    """Whether some rank holds no token of a pack that has at least one token a rank."""
+    P = packing.world_size
+    return packing.total >= P and any(packing.rows(r) == 0 for r in range(P))
 
 
 class Pack:

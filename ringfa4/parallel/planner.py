@@ -11,10 +11,20 @@ per element (bf16: 2), h q heads, h_kv' = h_kv x f K/V heads after GQA replicati
   block compute of each step, ~4 (S/R)^2 (h/U) d FLOPs: it hides while
   (S/R) x h / h_kv' x (link GB/s) >~ FLOP/s / 2, i.e. long per-group sequences.
 
-So Ulysses is the better use of a fast domain (constant volume, no per-step latency, one big
-kernel per rank instead of R blocks and R merges), and the ring the only scalable choice across
-domains. The rule: U = the largest degree that divides the world size, the NVLink domain size and
-the q head count (GQA K/V heads are replicated when h_kv has fewer heads than U needs); R = P / U.
+So Ulysses is the better use of a fast domain for one long sequence (constant volume, no per-step
+latency, one big kernel per rank instead of R blocks and R merges), and the ring the only scalable
+choice across domains. The rule: U = the largest degree that divides the world size, the NVLink
+domain size and the q head count (GQA K/V heads are replicated when h_kv has fewer heads than U
+needs); R = P / U.
+
+Packed documents (``packed=True``: the batches are packs of documents, ``cp.pack(cu_seqlens)``)
+take the ring alone, U = 1: its balanced placement keeps short documents whole on one rank and moves
+only the split documents' K/V, while Ulysses runs every rank's varlen calls over the whole pack with
+h / U heads, which FA4's varlen kernels run slower per unit of work. Measured (one H100, P = 8,
+h = 32 / kv 8, `benchmarks/ulysses_sim.py --packed`, all-to-alls not even charged): ring only
+against U = 8, fwd+bwd, a 64k pack of 7 documents 0.821 / 0.724, 256k of 28 0.935 / 0.751, 128k of
+55 short documents 0.815 / 0.472, a long tail at 256k 0.957 / 0.900; every hybrid U x R in between
+was below the ring too. Larger P (across NVLink domains) is not measured.
 """
 
 from __future__ import annotations
@@ -41,12 +51,15 @@ class CPPlan:
     nvlink_domain_size: int
     domain_source: str
     layout: str = "zigzag"
+    packed: bool = False
 
     def describe(self) -> str:
         split = HeadSplit(self.num_heads, self.num_kv_heads, self.ulysses)
         lines = [
             f"CP plan: P={self.world_size} = Ulysses {self.ulysses} x ring {self.ring} ({self.layout})",
             f"  NVLink domain: {self.nvlink_domain_size} GPUs (from {self.domain_source})",
+            *(["  packed documents: the ring alone (its balanced placement keeps short documents whole; "
+               "Ulysses' varlen calls of h / U heads run slower)"] if self.packed else []),
             f"  heads: {self.num_heads} q / {self.num_kv_heads} kv -> per rank {self.num_heads // self.ulysses} q / "
             f"{split.kv_heads_total // self.ulysses} kv"
             + (f" (K/V replicated x{split.kv_factor})" if split.kv_factor > 1 else ""),
@@ -63,17 +76,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_cp(world_size: int, num_heads: int, num_kv_heads: int, nvlink_domain_size: int,
-            domain_source: str = "argument", layout: str = "zigzag") -> CPPlan:
-    """The (U, R) of the rule in the module docstring (pure; no devices)."""
+            domain_source: str = "argument", layout: str = "zigzag", packed: bool = False) -> CPPlan:
+    """The (U, R) of the rule in the module docstring (pure; no devices); ``packed``: the batches
+    are packed documents (then U = 1)."""
     for name, v in (("world_size", world_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                     ("nvlink_domain_size", nvlink_domain_size)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads must divide num_heads {num_heads}, got {num_kv_heads}")
-    bound = math.gcd(world_size, nvlink_domain_size)
+    if not isinstance(packed, bool):
+        raise ValueError(f"packed must be a bool, got {packed!r}")
+    bound = 1 if packed else math.gcd(world_size, nvlink_domain_size)
     u = max(k for k in _divisors(bound) if num_heads % k == 0)
-    return CPPlan(world_size, u, world_size // u, num_heads, num_kv_heads, nvlink_domain_size, domain_source, layout)
+    return CPPlan(world_size, u, world_size // u, num_heads, num_kv_heads, nvlink_domain_size, domain_source, layout,
+                  packed)
 
 
 def _nvml_clique() -> tuple[str, int] | None:
