@@ -404,6 +404,8 @@ def dry_run(cfg: FinetuneConfig) -> str:
     est = memory_estimate(mc, local_tokens, bytes_per, n_params, world, cfg)
     text = "\n".join([
         f"mesh: dp={p.dp} x cp={p.cp} ({world} ranks), FSDP over all {world}" + ("" if p.fsdp else " (off)"),
+        f"cp as configured: Ulysses {p.ulysses} x ring {p.cp // p.ulysses} (parallel.ulysses); the planner's "
+        "choice for these packed rows:",
         plan.describe(),
         f"cp options (on GPUs): {ring_options(cfg, cuda=True)}",
         f"model: {mc.model_type}, ~{n_params / 1e6:.0f}M params, {mc.num_hidden_layers} layers, seq_len {t.seq_len} "
