@@ -63,6 +63,7 @@ def test_trainer_dense_equals_single_process(pools, tmp_path_factory, tmp_path, 
     got = _run(pools(world), {**DENSE, "trainer": "trainer", "cp": cp, "per_device": per_device}, tmp_path)
     _assert_same_run(got[0], ref)
     assert got[0]["cp_plan"] == (cp, 1)  # dense rows, 4 heads, one node: Ulysses over the whole cp group
+    assert got[0]["metadata_check"] == "new_shapes"  # no cp_options: checked once per batch shape
     assert all(_close(v["losses"][-1], ref["losses"][-1]) for v in got)  # every rank logs the global loss
     mine, theirs = got[0]["predictions"], ref["predictions"]
     assert mine.shape == theirs.shape, (mine.shape, theirs.shape)
@@ -82,9 +83,13 @@ def test_sft_packed_equals_single_process(pools, tmp_path_factory, tmp_path, wor
     for packed batches (``cp_packed`` from SFTConfig.packing), where dense rows get Ulysses."""
     dp = world // cp
     ref = _reference(pools, tmp_path_factory, {**SFT, "trainer": "plain_sft", "per_device": dp})
-    got = _run(pools(world), {**SFT, "cp": cp, "per_device": 1}, tmp_path)
+    import ringfa4
+
+    got = _run(pools(world), {**SFT, "cp": cp, "per_device": 1, "cp_kwargs": {"cp_options": ringfa4.RingOptions()}},
+               tmp_path)
     _assert_same_run(got[0], ref)
     assert got[0]["cp_plan"] == (1, cp)  # packing=True: the planner runs the ring alone
+    assert got[0]["metadata_check"] == "every_call"  # given options are the run's own
     row = got[0]["logs"][0]
     assert _close(row["mean_token_accuracy"], ref["logs"][0]["mean_token_accuracy"], 1e-4), (row, ref["logs"][0])
     assert row["num_tokens"] == ref["logs"][0]["num_tokens"], (row, ref["logs"][0])

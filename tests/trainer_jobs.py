@@ -144,6 +144,7 @@ def trainer_run(spec: dict, out: str) -> dict:
     res["weights"] = _flat(trainer.model) if rank == 0 else None
     if hasattr(trainer, "cp"):  # the planner's (U, R) for this trainer's batches
         res["cp_plan"] = (trainer.cp.ulysses, trainer.cp.ring_size)
+        res["metadata_check"] = trainer.cp.options.metadata_check
     if dist.is_initialized():
         dist.barrier()
     return res

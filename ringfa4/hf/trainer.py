@@ -112,7 +112,10 @@ class ContextParallelMixin:
     """Put in front of a ``transformers.Trainer`` (sub)class; see the module doc.
 
     Keyword arguments besides the Trainer's: ``cp_size`` (CP degree; dp = world / cp_size),
-    ``cp_options`` (the :class:`~ringfa4.RingOptions` of every attention call), ``cp_layout``
+    ``cp_options`` (the :class:`~ringfa4.RingOptions` of every attention call; None: the defaults with
+    ``metadata_check="new_shapes"``, since every CP rank of a dp group runs the same agreed batch
+    through the same model, so the ranks compare a call's metadata once per batch shape, not once a
+    layer, as the recipes do), ``cp_layout``
     ("zigzag" or "contiguous"), ``cp_packed`` (the batches are packed documents, so the planner runs
     the ring alone, no Ulysses; None: the training arguments' ``packing``, TRL's SFTConfig, else
     False), ``long_context`` (a :class:`~ringfa4.hf.LongContext`, applied to the model),
@@ -133,6 +136,8 @@ class ContextParallelMixin:
         targs = kwargs["args"]
         if cp_options is not None and not isinstance(cp_options, RingOptions):
             raise ValueError(f"cp_options must be a ringfa4.RingOptions, got {type(cp_options).__name__}")
+        if cp_options is None:  # the ranks make the same calls (see the class doc)
+            cp_options = RingOptions(metadata_check="new_shapes")
         if cp_packed is not None and not isinstance(cp_packed, bool):
             raise ValueError(f"cp_packed must be a bool or None, got {cp_packed!r}")
         packed = bool(getattr(targs, "packing", False)) if cp_packed is None else cp_packed
