@@ -13,10 +13,13 @@
 #             placements, Ulysses x ring (ulysses_sim.py), dense and the packed mixes (~9 min); PART tiles: what a
 #             tile of FA4's varlen kernels costs besides its blocks (varlen_tile_cost.py: the tile cost
 #             tile_schedule.py models) (~2 min)
-#   host      host microseconds per rank-step, eager and CUDA graphs, simulated and real-rank (host_cost.py: 4k /
-#             8k / 32k tokens a rank, P = 4, 8, one packed mix; split it by --worlds if it runs long), the
-#             real rank's per-call metadata check (check_cost.py, gloo), where a ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and
-#             whether hops hide behind the kernels (hop_overlap.py) (~8 min); PART dkv: 4k tokens a rank at P = 4
+#   host      host microseconds per rank-step, eager and CUDA graphs (host_cost.py): the default PART 4k a rank at
+#             P = 4 and 8 with the baselines and a per-function profile (~4 min: one H100, session 30); PART rows
+#             TOKENS WORLDS: other sizes, e.g. `host rows 8192 4` (~3 min), `host rows 8192 8` (~4 min), `host rows
+#             32768 4` / `32768 8` (each call alone: 32k rows ran past a shared call's limit); PART rest: the packed
+#             mix and the real-rank rows, the real rank's per-call metadata check (check_cost.py, gloo), where a
+#             ring step's time goes (ring_profile.py, 64k, P = 8, MHA) and whether hops hide behind the kernels
+#             (hop_overlap.py) (~8 min); PART dkv: 4k tokens a rank at P = 4
 #             and 8 with dkv_groups 2 and 1 (host time, launches, efficiency, of calls alone) (~3 min); PART qring:
 #             the same rows for MHA (h = kv = 32), where the backward's q side travels (~2 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
@@ -116,8 +119,17 @@ stage_host() {
     done
     return
   fi
-  python3 benchmarks/host_cost.py --tokens 4096,8192,32768 --worlds 4,8 --packed --graphs --real-rank \
-    --out "$(name host_cost "$sfx")"
+  if [ "${1:-}" = rows ]; then  # PART rows TOKENS WORLDS: one size a call
+    python3 benchmarks/host_cost.py --tokens "$2" --worlds "$3" --graphs --no-baselines \
+      --out "$out/host_cost${v}_${2}_p${3}_$sfx.json"
+    return
+  fi
+  if [ "${1:-}" != rest ]; then  # the default PART: 4k a rank, the baselines, the profile
+    python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --graphs --profile --out "$(name host_cost "$sfx")"
+    return
+  fi
+  python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --packed --real-rank --no-dense --no-baselines \
+    --out "$(name host_cost_rest "$sfx")"
   python3 benchmarks/check_cost.py --worlds 2,4,8 --out "$(name check_cost "$sfx")"
   python3 benchmarks/ring_profile.py --seq 65536 --world 8 --heads 32 --kv-heads 32 \
     --out "$(name ring_profile "$sfx")" "$@"

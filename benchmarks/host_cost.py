@@ -316,6 +316,7 @@ def main() -> None:
                     help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking; "
                          "nccl: real NCCL hops, one GPU a rank")
     ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
+    ap.add_argument("--no-dense", action="store_true", help="no simulated dense rows (with --packed / --real-rank)")
     ap.add_argument("--metadata-check", default="every_call,new_shapes",
                     help="real-rank RingOptions.metadata_check values (every_call: the check on every call; "
                          "new_shapes: once per call key)")
@@ -340,7 +341,7 @@ def main() -> None:
             json.dump(out, f, indent=1)
     for P in (int(p) for p in args.worlds.split(",")):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            if args.no_simulated:
+            if args.no_simulated or args.no_dense:
                 break
             out["rows"] += bench_dense(P, tokens, be, args, cycles)
             save()
