@@ -113,6 +113,7 @@ def test_lora_checkpointing_and_flattening_collator(pools, tmp_path_factory, tmp
     ref = _reference(pools, tmp_path_factory, {**spec, "trainer": "plain"})
     got = _run(pools(2), {**spec, "trainer": "trainer", "cp": 2}, tmp_path)[0]
     _assert_same_run(got, ref, clip=0.1)
+    assert got["cp_plan"] == (1, 2)  # the flattening collator's rows are packed: the ring alone
 
 
 def test_long_context_option(pools, tmp_path_factory, tmp_path):

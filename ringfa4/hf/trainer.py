@@ -108,6 +108,14 @@ def _check_args(args, cp_size: int, world: int, kwargs: dict) -> None:
         acc.dispatch_batches = False
 
 
+def _packed_rows(args, collator) -> bool:
+    """Whether the trainer's batches are packed documents, from what it is given: TRL's
+    ``SFTConfig.packing`` / ``padding_free``, or transformers' ``DataCollatorWithFlattening``."""
+    flattening = getattr(transformers, "DataCollatorWithFlattening", None)
+    return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False)
+                or (flattening is not None and isinstance(collator, flattening)))
+
+
 class ContextParallelMixin:
     """Put in front of a ``transformers.Trainer`` (sub)class; see the module doc.
 
@@ -115,11 +123,11 @@ class ContextParallelMixin:
     ``cp_options`` (the :class:`~ringfa4.RingOptions` of every attention call; None: the defaults with
     ``metadata_check="new_shapes"``, since every CP rank of a dp group runs the same agreed batch
     through the same model, so the ranks compare a call's metadata once per batch shape, not once a
-    layer, as the recipes do), ``cp_layout``
-    ("zigzag" or "contiguous"), ``cp_packed`` (the batches are packed documents, so the planner runs
-    the ring alone, no Ulysses; None: the training arguments' ``packing``, TRL's SFTConfig, else
-    False), ``long_context`` (a :class:`~ringfa4.hf.LongContext`, applied to the model),
-    ``peak_tflops`` (per device, for the logged MFU). ``model`` must be a model object."""
+    layer, as the recipes do), ``cp_layout`` ("zigzag" or "contiguous"), ``cp_packed`` (the batches
+    are packed documents, so the planner runs the ring alone, no Ulysses; None: whether TRL's
+    SFTConfig sets ``packing`` or ``padding_free`` or the data collator is transformers'
+    ``DataCollatorWithFlattening``), ``long_context`` (a :class:`~ringfa4.hf.LongContext`, applied to
+    the model), ``peak_tflops`` (per device, for the logged MFU). ``model`` must be a model object."""
 
     def __init__(self, *args, cp_size: int = 1, cp_options: RingOptions | None = None, cp_layout: str = "zigzag",
                  cp_packed: bool | None = None, long_context: LongContext | None = None,
@@ -140,7 +148,7 @@ class ContextParallelMixin:
             cp_options = RingOptions(metadata_check="new_shapes")
         if cp_packed is not None and not isinstance(cp_packed, bool):
             raise ValueError(f"cp_packed must be a bool or None, got {cp_packed!r}")
-        packed = bool(getattr(targs, "packing", False)) if cp_packed is None else cp_packed
+        packed = _packed_rows(targs, kwargs.get("data_collator")) if cp_packed is None else cp_packed
         if long_context is not None and not isinstance(long_context, LongContext):
             raise ValueError(f"long_context must be a ringfa4.hf.LongContext, got {type(long_context).__name__}")
         if long_context is not None and long_context.checkpoint and targs.gradient_checkpointing:
