@@ -75,18 +75,22 @@ def test_replays_equal_eager_bit_for_bit():
 @pytest.mark.gpu
 def test_interleaved_layers_and_the_accumulating_backward():
     """Two layers of the same shape (forward 1, forward 2, backward 2, backward 1, as autograd runs
-    them) through one graph pair: each layer's result equals its eager call (forward bit for bit;
-    the default backward, whose fp32 reductions are atomic, within the eager error vs float64)."""
+    them) through one graph pair, captured (no call falls back to eager): each layer's result equals
+    its eager call (forward bit for bit; the default backward, whose fp32 reductions are atomic, within
+    the eager error vs float64)."""
     _gpu()
     P, kw = 8, {"causal": True}
     eager = ringfa4.ContextParallel.simulated(P)
     graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
     layers = [random_qkv(1, 8192, 8192, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=10 + i)
               for i in range(2)]
-    for cp in (graphed, graphed):  # the second round replays
-        ins = [[t.clone().requires_grad_() for t in layer[:3]] for layer in layers]
-        outs = [ringfa4.attention(*x, cp=cp, return_lse=True, **kw) for x in ins]
-        torch.autograd.backward([o for o, _ in outs], [layer[3] for layer in layers])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cuda_graphs.*")  # nothing falls back to eager
+        for cp in (graphed, graphed):  # the second round replays
+            ins = [[t.clone().requires_grad_() for t in layer[:3]] for layer in layers]
+            outs = [ringfa4.attention(*x, cp=cp, return_lse=True, **kw) for x in ins]
+            torch.autograd.backward([o for o, _ in outs], [layer[3] for layer in layers])
+    assert len(graphed.graphs.captured) == 2 and all(graphed.graphs.captured.values())
     for layer, x, (o, l) in zip(layers, ins, outs):
         q, k, v, do = layer
         want = _run(eager, q, k, v, do, **kw)
