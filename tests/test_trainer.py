@@ -183,3 +183,31 @@ def test_prepare_pads_dense_batches_and_checks_masks():
     assert "must be one row, got 2 rows" in problem
     _, problem = prepare_batch({"input_ids": ids, "attention_mask": mask.flip(1)}, cp)
     assert "not causal right padding" in problem
+
+
+@pytest.mark.parametrize("planned_packed,ulysses,warns", [(False, 2, True), (True, 2, False), (False, 1, False)])
+def test_packed_rows_under_a_ulysses_plan_say_cp_packed_once(planned_packed, ulysses, warns):
+    """A trainer whose plan was made for unpacked rows with Ulysses in it (rows the user packed
+    himself: no packing flag, no flattening collator) says once, at the first packed batch, to pass
+    ``cp_packed=True``; dense batches, a plan made for packed rows or a ring-only plan say nothing."""
+    import warnings
+
+    import ringfa4
+    from ringfa4.hf.trainer import ContextParallelMixin
+
+    mixin = object.__new__(ContextParallelMixin)
+    mixin.cp = ringfa4.ContextParallel.simulated(4, backend="reference", ulysses=ulysses)
+    mixin.cp_size, mixin._cp_pad_id, mixin._cp_planned_packed = 4, 0, planned_packed
+    ids = torch.arange(2, 10).reshape(1, 8)
+    dense = {"input_ids": ids}
+    packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mixin._cp_prepare([dense], torch.device("cpu"))
+        assert not said
+        for _ in range(2):
+            mixin._cp_prepare([dict(packed)], torch.device("cpu"))
+    told = [w for w in said if "cp_packed=True" in str(w.message)]
+    assert len(told) == (1 if warns else 0), [str(w.message) for w in said]
+    if warns:
+        assert f"Ulysses {ulysses} x ring {4 // ulysses}" in str(told[0].message)

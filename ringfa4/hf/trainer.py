@@ -35,6 +35,7 @@ subclass (``class MyTrainer(ContextParallelMixin, MyBaseTrainer)``):
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -192,6 +193,7 @@ class ContextParallelMixin:
             cp = ContextParallel.simulated(1, layout=layout, options=options)
             self._cp_mesh, self._cp_dp_group, self._cp_dp_rank = None, None, 0
         self.cp, self.cp_size, self.dp_size, self._cp_world = cp, cp_size, world // cp_size, world
+        self._cp_planned_packed = packed  # the plan's view of the rows (cp_packed; see _cp_prepare)
         register(cp)
         base.set_attn_implementation(NAME)
         if base.config._attn_implementation != NAME:
@@ -231,8 +233,23 @@ class ContextParallelMixin:
             if prep is not None:
                 batch[PREPARED] = prep
                 local = [local[0] + prep.shard.num_targets, local[1] + prep.tokens, local[2] + prep.attn_tokens]
+                if prep.packed:
+                    self._cp_check_packed_plan()
         totals = agree(problems, local, device)
         return [x / self.cp_size for x in totals]  # every CP rank of a dp group counted the same batch
+
+    def _cp_check_packed_plan(self) -> None:
+        """A batch of packed documents met a plan made for unpacked rows with Ulysses in it: say once
+        that ``cp_packed=True`` plans the ring alone (the trainer cannot tell packed rows from its
+        arguments when the user packs them; the batches still run, more slowly)."""
+        if self._cp_planned_packed or self.cp.ulysses == 1:
+            return
+        self._cp_planned_packed = True  # said once
+        warnings.warn(f"ringfa4.hf trainer: the batches hold packed documents (position_ids that restart, or "
+                      f"cu_seqlens) but the CP plan was made for unpacked rows: Ulysses {self.cp.ulysses} x ring "
+                      f"{self.cp_size // self.cp.ulysses}. Packed documents run faster on the ring alone "
+                      f"(docs/performance.md, 'Packed documents and Ulysses'): pass cp_packed=True.", UserWarning,
+                      stacklevel=3)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The step's micro-batches, prepared, and their dp-global target count (the loss divisor)."""

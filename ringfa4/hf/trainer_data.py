@@ -26,14 +26,15 @@ PACK_KEYS = ("cu_seq_lens_q", "cu_seqlens")
 @dataclass
 class Prepared:
     """One micro-batch made ready for CP: ``shard`` (this rank's part), ``length`` (the unpadded
-    sequence length S of the full batch), ``tokens`` (real tokens of the full batch) and
+    sequence length S of the full batch), ``tokens`` (real tokens of the full batch),
     ``attn_tokens`` (sum over real tokens of the length of the document each attends within: the
-    T of the attention FLOPs times the tokens)."""
+    T of the attention FLOPs times the tokens) and ``packed`` (the row holds packed documents)."""
 
     shard: CPBatch
     length: int
     tokens: int
     attn_tokens: float
+    packed: bool = False  # the row holds packed documents (cu_seqlens, or position_ids that restart)
 
 
 def attention_length(position_ids: torch.Tensor) -> float:
@@ -122,7 +123,7 @@ def prepare_batch(batch: dict, cp: ContextParallel, pad_id: int = 0) -> tuple[Pr
                 attn = float((lengths * lengths).sum())
             else:
                 attn = attention_length(pos[0].cpu())
-            return Prepared(shard, S, S, attn), None
+            return Prepared(shard, S, S, attn, packed=True), None
         mask = batch.get("attention_mask")
         real = mask.sum(1).cpu() if mask is not None else torch.full((b,), S)
         padded = _pad_dense(batch, cp.layout.multiple, pad_id)
