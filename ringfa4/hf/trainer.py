@@ -193,7 +193,7 @@ class ContextParallelMixin:
             cp = ContextParallel.simulated(1, layout=layout, options=options)
             self._cp_mesh, self._cp_dp_group, self._cp_dp_rank = None, None, 0
         self.cp, self.cp_size, self.dp_size, self._cp_world = cp, cp_size, world // cp_size, world
-        self._cp_planned_packed = packed  # the plan's view of the rows (cp_packed; see _cp_prepare)
+        self._cp_planned_packed = packed  # planned for packed rows, or the mismatch was said (_cp_prepare)
         register(cp)
         base.set_attn_implementation(NAME)
         if base.config._attn_implementation != NAME:
@@ -244,7 +244,7 @@ class ContextParallelMixin:
         arguments when the user packs them; the batches still run, more slowly)."""
         if self._cp_planned_packed or self.cp.ulysses == 1:
             return
-        self._cp_planned_packed = True  # said once
+        self._cp_planned_packed = True  # said once: never again
         warnings.warn(f"ringfa4.hf trainer: the batches hold packed documents (position_ids that restart, or "
                       f"cu_seqlens) but the CP plan was made for unpacked rows: Ulysses {self.cp.ulysses} x ring "
                       f"{self.cp_size // self.cp.ulysses}. Packed documents run faster on the ring alone "
