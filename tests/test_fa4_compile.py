@@ -31,7 +31,8 @@ KERNELS = {  # kernel classes whose PTX/cubin must appear in the dump for each a
 # (name, dense (b, s_q, s_k) or varlen (q lengths, k lengths), h, h_kv, d, AttnSpec kwargs, fresh)
 # fresh: "f" / "b" when the pattern needs a forward / backward kernel that no earlier pattern compiled
 # (checked through FA4's JIT cache, and sm90's dense backward, deterministic too, through the cache of
-# the prepared single-call backward, kernels/fa4/plain_backward.py). Window sizes and sequence lengths
+# the prepared single-call backward, kernels/fa4/plain_backward.py; sm90's forwards, varlen too, through
+# the prepared single-call forwards' cache). Window sizes and sequence lengths
 # are runtime values, so e.g. causal + left window reuses the (left, right) kernel and s_q > s_k
 # reuses the s_q < s_k one. Shapes matter a little: with a single query tile per head (two on sm100)
 # the forward takes a static persistent scheduler, a kernel of its own, so most patterns use
@@ -139,7 +140,7 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
             k = torch.empty(*k_lead, h_kv, d, dtype=bf16, device="cuda")
             v = torch.empty(*k_lead, h_kv, d, dtype=bf16, device="cuda")
             # forwards: FA4's entry point's kernels, or (sm90 dense) FA4's kernel class prepared by ours
-            n_plain = len(plain_backward._CACHE)
+            n_plain, n_entry = len(plain_backward._CACHE), len(fwd_cache)
             n_fwd, n_bwd, t0 = len(fwd_cache) + len(fp32_forward._CACHE), len(bwd_cache) + n_plain, time.perf_counter()
             out, lse = backend.forward(q, k, v, spec)
             t1 = time.perf_counter()
@@ -155,6 +156,9 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
         # sm90's dense backward (deterministic too): FA4's own kernels from ringfa4's prepared plan
         prepared = arch == "sm_90a" and not spec.varlen
         assert len(plain_backward._CACHE) - n_plain == (new_bwd if prepared else 0), (name, new_bwd)
+        # sm90's single forward, dense and varlen: FA4's own kernel class from ringfa4's prepared plan
+        # (fp32_forward.prepare_plain, varlen_fwd.prepare_plain_varlen), never FA4's entry point
+        assert arch != "sm_90a" or len(fwd_cache) == n_entry, (name, "FA4's forward entry point compiled")
         assert new_fwd >= ("f" in fresh) and new_bwd >= ("b" in fresh), (
             f"{name}: expected a fresh compile ({fresh!r}), got {new_fwd} forward, {new_bwd} backward")
         results.append(dict(name=name, new_fwd=new_fwd, new_bwd=new_bwd,

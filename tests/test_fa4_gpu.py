@@ -102,6 +102,23 @@ def test_dense_matches_reference(fa4, case):
             assert torch.equal(x, got[name]), f"deterministic backward changed {name}"
 
 
+def _single_forward(fa4, call: tuple, want: tuple, replay: bool, monkeypatch) -> tuple:
+    """``fa4.forward(q, k, v, spec)`` of ``call`` without given outputs, checked bit for bit against
+    FA4's own ``want = (out, lse)``; ``replay``: the call must replay a prepared plan (neither the
+    checked path nor FA4's entry point runs, nothing compiles)."""
+    from ringfa4.kernels.fa4 import compile_count
+
+    before = compile_count()
+    if replay:
+        monkeypatch.setattr(fa4, "_forward_plain", lambda *a: pytest.fail("the checked path ran again"))
+    out, lse = fa4.forward(*call)
+    monkeypatch.undo()
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (replay, (out - want[0]).abs().max())
+    assert out.dtype == BF16 and out.is_contiguous()
+    assert not replay or compile_count() == before
+    return out, lse
+
+
 @pytest.mark.parametrize("case", DENSE[:9], ids=[f"{_id(c[-1])}-h{c[3]}:{c[4]}-d{c[5]}" for c in DENSE[:9]])
 def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     """A call without given outputs (``cp=None``) runs FA4's own sm90 forward kernel through a
@@ -109,8 +126,6 @@ def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     ``flash_attn_func`` (its tile config and pack-GQA default); the second call of the same
     signature, on other tensors, replays the launch: no checked path, no compile."""
     from flash_attn.cute import interface
-
-    from ringfa4.kernels.fa4 import compile_count
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the prepared single-call forward is sm90's (sm100 keeps FA4's entry point)")
@@ -121,15 +136,45 @@ def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     for rep in range(2):
         q, k, v, _ = random_qkv(b, s_q, s_k, h, h_kv, d, dtype=BF16, device="cuda", seed=rep * 31 + s_q)
         want = interface.flash_attn_func(q, k, v, **fa4_kw)
-        before = compile_count()
-        if rep:  # the replay: neither the checked path nor FA4's entry point runs
-            monkeypatch.setattr(fa4, "_forward_plain", lambda *a: pytest.fail("the checked path ran again"))
-        out, lse = fa4.forward(q, k, v, spec)
-        monkeypatch.undo()
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (rep, (out - want[0]).abs().max())
-        assert out.dtype == BF16 and out.is_contiguous() and lse.shape == (b, h, s_q)
-        if rep:
-            assert compile_count() == before
+        out, lse = _single_forward(fa4, (q, k, v, spec), want, replay=rep > 0, monkeypatch=monkeypatch)
+        assert lse.shape == (b, h, s_q)
+
+
+# (q lengths, k lengths, h, h_kv, d, AttnSpec kwargs): packed single calls (cp=None, Ulysses' one call)
+PLAIN_VARLEN = [
+    ([37, 0, 250, 3, 0, 90], [50, 20, 250, 0, 0, 128], 8, 2, 128, dict(causal=True)),  # empty documents
+    ([300, 129, 1000], [300, 129, 1000], 4, 4, 128, dict()),
+    ([200, 700, 64], [200, 700, 64], 8, 2, 64, dict(window=(40, 8))),
+    ([513, 77, 400], [513, 77, 400], 8, 4, 128, dict(causal=True, softcap=15.0, softmax_scale=0.2)),
+    ([40] * 300, [40] * 300, 8, 2, 128, dict(causal=True)),  # > 256 documents: FA4 adds its batch-lookup hint
+]
+
+
+@pytest.mark.parametrize("case", PLAIN_VARLEN, ids=[f"{_id(c[-1])}-{len(c[0])}docs-h{c[2]}:{c[3]}-d{c[4]}"
+                                                    for c in PLAIN_VARLEN])
+def test_single_call_varlen_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
+    """A packed call without given outputs (``cp=None``, Ulysses on packed documents) runs FA4's own
+    sm90 forward kernel through a prepared plan (:func:`~ringfa4.kernels.fa4.varlen_fwd.prepare_plain_varlen`):
+    bit for bit FA4's ``flash_attn_varlen_func``; a second call of the same signature (other values,
+    other cu_seqlens of the same count and longest document) replays the launch: no checked path,
+    no compile."""
+    from flash_attn.cute import interface
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the prepared single-call forward is sm90's (sm100 keeps FA4's entry point)")
+    lq, lk, h, h_kv, d, kw = case
+    for rep in range(2):
+        lq_r, lk_r = (lq, lk) if rep == 0 else (lq[::-1], lk[::-1])  # the same documents, another order
+        q, k, v, _, cu_kw = _varlen(lq_r, lk_r, h, h_kv, d, seed=rep * 17 + len(lq))
+        spec = AttnSpec(**kw, **cu_kw)
+        want = interface.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_kw["cu_seqlens_q"], cu_seqlens_k=cu_kw["cu_seqlens_k"],
+            max_seqlen_q=cu_kw["max_seqlen_q"], max_seqlen_k=cu_kw["max_seqlen_k"], causal=spec.causal,
+            softmax_scale=spec.scale(d), window_size=(spec.window_left, spec.window_right),
+            softcap=float(spec.softcap), return_lse=True)
+        out, lse = _single_forward(fa4, (q, k, v, spec), want, replay=rep > 0, monkeypatch=monkeypatch)
+        assert lse.shape == (h, sum(lq))
+    _run(fa4, q, k, v, torch.randn_like(q), {**kw, **cu_kw}, grads=False)  # and against float64
 
 
 PLAIN_BWD = DENSE + [(2, 300, 500, 4, 4, 64, dict(causal=True, deterministic=True))]  # MHA: a dQ semaphore only

@@ -127,7 +127,8 @@ def _check_grad_inputs(q, v, spec: AttnSpec, out, dout, lse) -> None:
 class Fa4Backend:
     """Block attention through FA4's kernels: ``flash_attn.cute.interface._flash_attn_fwd`` /
     ``_flash_attn_bwd``, or, where this module prepares the launch itself, FA4's kernel classes from
-    a plan per call signature (sm90: a forward without given outputs runs FA4's own class, one with
+    a plan per call signature (sm90: a forward without given outputs runs FA4's own class, dense or
+    varlen, one with
     fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`; a dense
     backward FA4's own kernels, :mod:`.plain_backward`).
 
@@ -169,8 +170,15 @@ class Fa4Backend:
         """``q (b, s_q, h, d)``, ``k, v (b, s_k, h_kv, d)`` fp16/bf16 (varlen: ``(total, h, d)``)
         -> ``out`` like q, ``lse (b, h, s_q)`` float32 (varlen ``(h, total_q)``)."""
         key = None
-        single = out is None and lse is None and spec.sinks is None and not spec.varlen  # cp=None, Ulysses
-        if single:
+        single = out is None and lse is None and spec.sinks is None  # cp=None, Ulysses
+        if single and spec.varlen:  # the cu_seqlens are launch arguments: their values change per pack
+            cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
+            key = ("plain_varlen", spec, signature(q, k, v, *cu))
+            plan = self._plans.get(key)
+            if plan is not None and aligned((q, k, v), 16):
+                validate_varlen(spec, q.shape[0], k.shape[0])  # values read once per tensor version
+                return plan.launch_new(q, k, v, cu)
+        elif single:
             key = ("plain", spec, signature(q, k, v))
             plan = self._plans.get(key)
             if plan is not None and aligned((q, k, v), 16):
@@ -227,16 +235,21 @@ class Fa4Backend:
 
     def _forward_plain(self, q, k, v, spec: AttnSpec, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A checked call without given outputs on sm90: FA4's own forward kernel prepared
-        (:func:`.fp32_forward.prepare_plain`), run, its plan kept under ``key``; None, nothing run,
+        (:func:`.fp32_forward.prepare_plain`, varlen :func:`.varlen_fwd.prepare_plain_varlen`), run,
+        its plan kept under ``key``; None, nothing run,
         elsewhere or where it does not apply (head dims it lacks): the caller then runs FA4's entry point."""
         from .bwd_accum import _arch
 
         if _arch() // 10 != 9:
             return None
         from .fp32_forward import prepare_plain
+        from .varlen_fwd import prepare_plain_varlen
 
         try:
-            prepared = prepare_plain(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)))
+            if spec.varlen:
+                prepared = prepare_plain_varlen(q, k, v, spec)
+            else:
+                prepared = prepare_plain(q, k, v, spec.replace(window=(spec.window_left, spec.window_right)))
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
         except (ValueError, TypeError, NotImplementedError):  # raised before anything ran

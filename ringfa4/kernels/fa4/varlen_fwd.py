@@ -1,4 +1,4 @@
-"""FlashAttention-4's sm90 forward with a float32 output over packed (varlen) documents.
+"""FlashAttention-4's sm90 forward over packed (varlen) documents, with a float32 output (and FA4's own).
 
 The same kernel class as :mod:`.fp32_forward` (``_Sm90Fp32Out``, FA4's ``FlashAttentionForwardSm90``
 with an fp32 register epilogue), launched as FA4's interface launches its varlen forward: packed
@@ -16,6 +16,10 @@ FA4's batch-lookup hint for > 256 documents (``cu_total_m_blocks``) is never pas
 scheduler's warp prefix sums cover any count), and the kernel is compiled once per key from
 canonical tensors of fixed sizes (not from the first call's, whose one-row dims could specialize
 strides), so a new pack never compiles a new kernel.
+
+The single varlen call (``cp=None``, Ulysses' one call on packed documents) runs FA4's own class the
+same way (:func:`prepare_plain_varlen`: O in q's dtype, FA4's pack-GQA default), so a replay skips
+FA4's Python entry point as the dense single call does (:func:`.fp32_forward.prepare_plain`).
 
 sm90 only: FA4's sm100 varlen forward would need its scheduler metadata and split-KV varlen
 layouts; :func:`fa4_forward_fp32_varlen` raises NotImplementedError there and
@@ -39,13 +43,15 @@ from .fp32_forward import (
     Prepared,
     _check_out,
     _compile,
+    _fa4_sm90_class,
     _kernel_args,
     _Launch,
     _sm90_class,
 )
 from .launch import plain
 
-__all__ = ["VarlenPlan", "compile_only_varlen", "fa4_forward_fp32_varlen", "prepare_forward_varlen"]
+__all__ = ["VarlenPlan", "compile_only_varlen", "fa4_forward_fp32_varlen", "prepare_forward_varlen",
+           "prepare_plain_varlen"]
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> None:
@@ -80,7 +86,7 @@ def _canonical(key: Fp32Key, q: torch.Tensor, k: torch.Tensor) -> tuple[tuple, t
         qc = torch.empty(rows_q, h, d, dtype=q.dtype, device=dev)
         kc = torch.empty(rows_k, h_kv, d, dtype=q.dtype, device=dev)
     rq = qc.shape[0]
-    o = torch.empty(rq, h, d, dtype=torch.float32, device=dev)
+    o = torch.empty(rq, h, d, dtype=q.dtype if key.plain else torch.float32, device=dev)
     lse = torch.empty(h, rq, dtype=torch.float32, device=dev)
     cu = tuple(torch.empty(4, dtype=torch.int32, device=dev) for _ in "qk")
     return (qc, kc, kc, o, lse), cu
@@ -97,6 +103,15 @@ class VarlenPlan(NamedTuple):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  cu: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.compiled.fn(plain(q), plain(k), plain(v), plain(out), plain(lse), self.scale, *cu, *self.rest)
+
+    def launch_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A :func:`prepare_plain_varlen` plan's call: ``out (total_q, h, d)`` in q's dtype and ``lse
+        (h, total_q)`` float32 allocated (contiguous, as its checked call allocated them), then launched."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        self(q, k, v, out, lse, cu)
+        return out, lse
 
 
 def fa4_forward_fp32_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
@@ -118,6 +133,27 @@ def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
                            arch: int | None = None) -> Prepared:
     """The checked path of :func:`fa4_forward_fp32_varlen`: validation, the outputs, FA4's config,
     the compile; a call with no query or no key rows is finished here. Nothing launched yet."""
+    return _prepare_varlen(q, k, v, spec, (out, lse), arch, plain=False)
+
+
+def prepare_plain_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                         arch: int | None = None) -> Prepared:
+    """One packed call of FA4's own sm90 forward kernel (``FlashAttentionForwardSm90`` with
+    cu_seqlens, FA4's tile config and its pack-GQA default; ``out (total_q, h, d)`` in q's dtype and
+    ``lse (h, total_q)`` float32, both allocated), prepared as :func:`prepare_forward_varlen`
+    prepares the fp32 one: a later call of the same signature replays the launch without FA4's
+    Python entry point (the single varlen call: ``cp=None`` and Ulysses on packed documents). FA4's
+    entry point adds a batch-lookup hint for more than 256 documents (a speed aid computed per call);
+    this plan's scheduler walks any count without it, to the same results. sm90 only
+    (NotImplementedError elsewhere); raises before anything ran."""
+    return _prepare_varlen(q, k, v, spec, (None, None), arch, plain=True)
+
+
+def _prepare_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, outs: tuple,
+                    arch: int | None, plain: bool) -> Prepared:
+    """:func:`prepare_forward_varlen` (``plain`` False: our fp32-output class, into ``outs = (out,
+    lse)`` or allocated) and :func:`prepare_plain_varlen` (FA4's own class, O in q's dtype)."""
+    out, lse = outs
     _check_inputs(q, k, v, spec)
     total_q, h, d = q.shape
     total_k, h_kv = k.shape[0], k.shape[1]
@@ -128,13 +164,14 @@ def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
 
     arch = interface._get_device_arch() if arch is None else arch
     if arch // 10 != 9:
-        raise NotImplementedError(f"the fp32-output FA4 varlen forward runs on sm90 only, got sm{arch}")
+        raise NotImplementedError(f"the {'plain' if plain else 'fp32-output'} FA4 varlen forward runs on sm90 only, "
+                                  f"got sm{arch}")
     try:
         interface._validate_head_dims(d, d, arch // 10, 16 // q.element_size())
     except AssertionError as exc:
         raise ValueError(str(exc)) from exc
     if out is None:
-        out = torch.empty(total_q, h, d, dtype=torch.float32, device=q.device)
+        out = torch.empty(total_q, h, d, dtype=q.dtype if plain else torch.float32, device=q.device)
     else:
         _check_out(out, "out", (total_q, h, d), q, 16)
     if lse is None:
@@ -150,20 +187,22 @@ def prepare_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     cu = (spec.cu_seqlens_q.contiguous(), spec.cu_seqlens_k.contiguous())
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, spec.window_left, spec.window_right)
+    pack_gqa = plain and h > h_kv  # FA4's own default (its entry point: pack_gqa = qhead_per_kvhead > 1)
     cfg = interface._get_fwd_config(  # sm90: tiles from head_dim / causal / local alone
         arch=arch, head_dim=d, head_dim_v=d, max_seqlen_q=1, max_seqlen_k=1, num_head_kv=h_kv,
-        qhead_per_kvhead=h // h_kv, pack_gqa=False, batch_size=1, causal=causal, local=local,
+        qhead_per_kvhead=h // h_kv, pack_gqa=pack_gqa, batch_size=1, causal=causal, local=local,
         window_size_left=wl, window_size_right=wr, num_splits=1, device=q.device)
     softcap = spec.softcap
     key = Fp32Key(arch=arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal, local=local,
                   has_window_left=wl is not None, has_window_right=wr is not None,
                   softcap=float(softcap) if softcap else None, tile_m=cfg.m_block_size, tile_n=cfg.n_block_size,
                   q_stage=cfg.q_stage, mma_pv_is_rs=cfg.mma_pv_is_rs, intra_wg_overlap=cfg.intra_wg_overlap,
-                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), varlen=True)
+                  broadcast=tuple(get_broadcast_dims(t) for t in (q, k, v)), varlen=True, plain=plain,
+                  pack_gqa=pack_gqa)
     launch = _Launch(spec.scale(d), wl, wr, 0)
     if key not in _CACHE:
         tensors, cu_c = _canonical(key, q, k)
-        _CACHE[key] = _compile(key, tensors, launch, _sm90_class, cu_c)
+        _CACHE[key] = _compile(key, tensors, launch, _fa4_sm90_class if plain else _sm90_class, cu_c)
     if is_fake_mode():
         return Prepared((q, k, v, out, lse), None, key, False)
     tail = _kernel_args(arch, (), launch, (None, None))
