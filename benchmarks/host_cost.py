@@ -194,6 +194,7 @@ def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
         rows.append({"what": f"ringfa4 cp=None {name}",
                      **host_us(rotating(cp_step(None, backward), sets), cycles, queued_ms, reps)})
     rows += _backward_alone(sets, cycles, queued_ms, reps)
+    rows += _varlen_alone(sets, cycles, queued_ms, reps)
     return rows
 
 
@@ -210,6 +211,29 @@ def _backward_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> lis
     ours = rotating(lambda q, k, v, o, lse, do: be.backward(do, q, k, v, o, lse, spec), args)
     return [{"what": "FA4 _flash_attn_bwd alone", **host_us(fa4, cycles, queued_ms, reps)},
             {"what": "ringfa4 Fa4Backend.backward alone", **host_us(ours, cycles, queued_ms, reps)}]
+
+
+def _varlen_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
+    """One packed call (the 4k tokens as four 1k documents: what ``cp=None`` and Ulysses run on packs),
+    forward and backward each alone: FA4's ``flash_attn_varlen_func`` / ``_flash_attn_bwd`` with
+    cu_seqlens against the backend's (sm90: FA4's kernels from prepared plans)."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError:
+        return []
+    cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32, device="cuda")
+    be = get_backend("fa4")
+    spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024, causal=True)
+    packed = [[t[0] for t in ts] for ts in sets]  # (4096, heads, d) each
+    fa4_fwd = rotating(lambda q, k, v, do: interface.flash_attn_varlen_func(q, k, v, return_lse=True, **kw), packed)
+    ours_fwd = rotating(lambda q, k, v, do: be.forward(q, k, v, spec), packed)
+    args = [(q, k, v, *be.forward(q, k, v, spec), do) for q, k, v, do in packed]
+    fa4_bwd = rotating(lambda q, k, v, o, lse, do: interface._flash_attn_bwd(q, k, v, o, do, lse, **kw), args)
+    ours_bwd = rotating(lambda q, k, v, o, lse, do: be.backward(do, q, k, v, o, lse, spec), args)
+    return [{"what": f"{what} (varlen, 4 documents)", **host_us(fn, cycles, queued_ms, reps)}
+            for what, fn in (("FA4 flash_attn_varlen_func fwd", fa4_fwd), ("ringfa4 Fa4Backend.forward", ours_fwd),
+                             ("FA4 _flash_attn_bwd alone", fa4_bwd), ("ringfa4 Fa4Backend.backward alone", ours_bwd))]
 
 
 def _pack_lengths(total: int, seed: int = 0) -> list[int]:

@@ -31,8 +31,8 @@ KERNELS = {  # kernel classes whose PTX/cubin must appear in the dump for each a
 # (name, dense (b, s_q, s_k) or varlen (q lengths, k lengths), h, h_kv, d, AttnSpec kwargs, fresh)
 # fresh: "f" / "b" when the pattern needs a forward / backward kernel that no earlier pattern compiled
 # (checked through FA4's JIT cache, and sm90's dense backward, deterministic too, through the cache of
-# the prepared single-call backward, kernels/fa4/plain_backward.py; sm90's forwards, varlen too, through
-# the prepared single-call forwards' cache). Window sizes and sequence lengths
+# the prepared single-call backward, kernels/fa4/plain_backward.py, varlen too; sm90's forwards, varlen
+# too, through the prepared single-call forwards' cache). Window sizes and sequence lengths
 # are runtime values, so e.g. causal + left window reuses the (left, right) kernel and s_q > s_k
 # reuses the s_q < s_k one. Shapes matter a little: with a single query tile per head (two on sm100)
 # the forward takes a static persistent scheduler, a kernel of its own, so most patterns use
@@ -55,6 +55,7 @@ PATTERNS = [
     ("varlen_causal", ([64, 192, 320], [64, 192, 320]), 4, 4, 128, dict(causal=True), "fb"),
     ("varlen_gqa_causal", ([100, 0, 300], [200, 0, 300]), 8, 2, 128, dict(causal=True), "fb"),
     ("varlen_gqa_full", ([128, 320, 64], [256, 64, 192]), 8, 2, 128, dict(), "fb"),
+    ("varlen_gqa_deterministic", ([100, 300], [200, 300]), 8, 2, 128, dict(causal=True, deterministic=True), "b"),
 ]
 
 
@@ -153,8 +154,9 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
             assert tuple(t.shape) == tuple(shape) and t.dtype == dtype, (name, what, t.shape, t.dtype)
         new_fwd = len(fwd_cache) + len(fp32_forward._CACHE) - n_fwd
         new_bwd = len(bwd_cache) + len(plain_backward._CACHE) - n_bwd
-        # sm90's dense backward (deterministic too): FA4's own kernels from ringfa4's prepared plan
-        prepared = arch == "sm_90a" and not spec.varlen
+        # sm90's backward, dense or varlen (deterministic too): FA4's own kernels from ringfa4's prepared
+        # plan (its preprocess and postprocesses compile through FA4's helpers, counted in its caches)
+        prepared = arch == "sm_90a"
         assert len(plain_backward._CACHE) - n_plain == (new_bwd if prepared else 0), (name, new_bwd)
         # sm90's single forward, dense and varlen: FA4's own kernel class from ringfa4's prepared plan
         # (fp32_forward.prepare_plain, varlen_fwd.prepare_plain_varlen), never FA4's entry point

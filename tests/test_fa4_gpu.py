@@ -227,6 +227,59 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
             assert compile_count() == before
 
 
+PLAIN_VARLEN_BWD = PLAIN_VARLEN[1:] + [  # FA4's varlen backward takes no empty query documents here
+    ([37, 128, 250, 5, 90], [60, 128, 200, 5, 1], 8, 2, 128, dict(causal=True, deterministic=True)),
+    ([300, 129, 700], [300, 129, 700], 4, 4, 64, dict(causal=True, deterministic=True)),
+]
+
+
+@pytest.mark.parametrize("case", PLAIN_VARLEN_BWD, ids=[f"{_id(c[-1])}-{len(c[0])}docs-h{c[2]}:{c[3]}-d{c[4]}"
+                                                        for c in PLAIN_VARLEN_BWD])
+def test_single_call_varlen_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
+    """A packed backward (``cp=None``, Ulysses on packed documents) runs FA4's own sm90 varlen kernels
+    from a prepared plan (:mod:`~ringfa4.kernels.fa4.plain_backward`): FA4's ``_flash_attn_bwd``
+    results with cu_seqlens, bit for bit for deterministic specs and for dK / dV of at most two q
+    heads a kv head, elsewhere as close to float64 as FA4's own (1.05x); the second call of the same
+    signature (the same pack, other values) replays the launches: no checked path, no compile, no
+    host sync."""
+    from flash_attn.cute import interface
+
+    from ringfa4.kernels.fa4 import compile_count
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
+    lq, lk, h, h_kv, d, kw = case
+    exact = {"dq": bool(kw.get("deterministic")), "dk": h // h_kv <= 2 or bool(kw.get("deterministic"))}
+    exact["dv"] = exact["dk"]
+    cu_kw = _varlen(lq, lk, h, h_kv, d, seed=0)[4]
+    spec = AttnSpec(**kw, **cu_kw)
+    fa4_kw = dict(causal=spec.causal, softmax_scale=spec.scale(d), softcap=float(spec.softcap),
+                  window_size_left=spec.window_left, window_size_right=spec.window_right, **cu_kw)
+    for rep in range(2):
+        q, k, v, dout, _ = _varlen(lq, lk, h, h_kv, d, seed=rep * 17 + len(lq))
+        out, lse = fa4.forward(q, k, v, spec)
+        want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw, deterministic=spec.deterministic)
+        before = compile_count()
+        if rep:  # the replay: neither the checked path nor FA4's entry point runs, and no host sync
+            monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = fa4.backward(dout, q, k, v, out, lse, spec)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        monkeypatch.undo()
+        ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
+                              softmax_scale=spec.softmax_scale, cu_seqlens_q=cu_kw["cu_seqlens_q"],
+                              cu_seqlens_k=cu_kw["cu_seqlens_k"])[2:]
+        for name, x, y, r, t in zip(("dq", "dk", "dv"), got, want, ref, (q, k, v)):
+            assert x.dtype == BF16 and x.shape == t.shape and x.is_contiguous(), name
+            if exact[name]:
+                assert torch.equal(x, y), (rep, name, (x.float() - y.float()).abs().max())
+            else:
+                assert rel_err(x, r) <= 1.05 * rel_err(y, r) + 1e-6, (rep, name, rel_err(x, r), rel_err(y, r))
+        assert not rep or compile_count() == before
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_single_call_backward_takes_strided_views(fa4, deterministic, monkeypatch):
     """The prepared backward takes what FA4's entry point takes as it is: views of last-dim stride 1

@@ -129,8 +129,8 @@ class Fa4Backend:
     ``_flash_attn_bwd``, or, where this module prepares the launch itself, FA4's kernel classes from
     a plan per call signature (sm90: a forward without given outputs runs FA4's own class, dense or
     varlen, one with
-    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`; a dense
-    backward FA4's own kernels, :mod:`.plain_backward`).
+    fp32 outputs the fp32-output / merging / varlen variants of :mod:`.fp32_forward`; a backward,
+    dense or varlen, FA4's own kernels, :mod:`.plain_backward`).
 
     ``forward`` returns ``(out, lse)`` (writing into ``out=`` / ``lse=`` when given: views with
     last-dim stride 1, e.g. slices of a bigger buffer). ``backward`` returns fresh ``dq, dk, dv`` in
@@ -265,11 +265,18 @@ class Fa4Backend:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``dq (like q), dk, dv (like k, v)`` in q's dtype of one block, given the merged
         ``out`` / ``dout`` (like q; fp32 ones are cast to q's dtype, which FA4 requires) and ``lse``
-        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). Dense sm90 calls (deterministic ones
-        too) run FA4's own backward from a plan per call signature (:mod:`.plain_backward`), others
-        FA4's entry point."""
+        (float32, ``(b, h, s_q)`` or varlen ``(h, total_q)``). sm90 calls, dense or packed
+        (deterministic ones too), run FA4's own backward from a plan per call signature
+        (:mod:`.plain_backward`), others FA4's entry point."""
         key = None
-        if not spec.varlen and spec.sinks is None:  # calls a plan may serve (:mod:`.plain_backward`)
+        if spec.sinks is None and spec.varlen:  # calls a plan may serve (:mod:`.plain_backward`)
+            cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
+            key = ("backward_varlen", spec, signature(q, k, v, out, dout, lse, *cu))
+            plan = self._plans.get(key)
+            if plan is not None and aligned((q, k, v, out, dout), 16):
+                validate_varlen(spec, q.shape[0], k.shape[0])  # values read once per tensor version
+                return plan.launch_varlen(q, k, v, out, dout, lse, cu)
+        elif spec.sinks is None:
             key = ("backward", spec, signature(q, k, v, out, dout, lse))
             plan = self._plans.get(key)
             if plan is not None and aligned((q, k, v, out, dout), 16):
@@ -314,6 +321,13 @@ class Fa4Backend:
             return None
         if prepared.plan is None:  # fake tensors: compiled, nothing to launch
             return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if spec.varlen:
+            cu = (spec.cu_seqlens_q, spec.cu_seqlens_k)
+            if not all(t.is_contiguous() for t in cu):  # FA4's entry point would copy them
+                return None
+            if key is not None:
+                self._plans.put(key, prepared.plan)
+            return prepared.plan.launch_varlen(q, k, v, out, dout, lse, cu)
         if key is not None:
             self._plans.put(key, prepared.plan)
         return prepared.plan.launch_new(q, k, v, out, dout, lse)

@@ -42,7 +42,7 @@ from ..spec import AttnSpec, Written, check_grads
 from .bwd_accum import _CACHE, AccumKey, _arch, _tile_order
 from .bwd_plan import make_kernel, plan, postprocess, supported
 
-__all__ = ["accumulate_varlen", "can_implement", "padded_rows"]
+__all__ = ["accumulate_varlen", "can_implement", "padded_rows", "tile_cumsum"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -96,6 +96,14 @@ def _of_cu(cu: torch.Tensor, what: tuple, make):
     if value is None:
         value = cache[key] = make()
     return value
+
+
+def tile_cumsum(cu: torch.Tensor, tile: int) -> torch.Tensor:
+    """FA4's tile cumsum of ``cu`` (``(documents + 1,)`` int32: tiles of ``tile`` rows before each
+    document), its varlen schedulers' batch-lookup hint; once per cu_seqlens version."""
+    from flash_attn.cute import interface
+
+    return _of_cu(cu, ("tile cumsum", tile), lambda: interface._compute_tile_cumsum(cu_seqlens=cu, tile_size=tile)[0])
 
 
 def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
@@ -153,11 +161,8 @@ def _postprocess_written_dq(p, dq_acc, dq_accum: torch.Tensor, cu: torch.Tensor,
     57 against 116 us). False, doing nothing, for anything else (the unpad kernel takes it)."""
     if not isinstance(dq_acc, Written) or dq_acc.out.dtype not in _DTYPES or not dq_acc.out.is_contiguous():
         return False
-    from flash_attn.cute import interface
-
-    tile = p.dq_post[0]
-    hint = _of_cu(cu, ("tile cumsum", tile), lambda: interface._compute_tile_cumsum(cu_seqlens=cu, tile_size=tile)[0])
-    postprocess(p, "dq", dq_accum, dq_acc.out, scale, fake_mode=fake, cu_seqlens=cu, cu_total_blocks=hint)
+    postprocess(p, "dq", dq_accum, dq_acc.out, scale, fake_mode=fake, cu_seqlens=cu,
+                cu_total_blocks=tile_cumsum(cu, p.dq_post[0]))
     return True
 
 
@@ -234,10 +239,9 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     f32 = dict(dtype=torch.float32, device=q.device)
     dq_accum, dpsum, lse_log2 = torch.empty(h, pq * d_r, **f32), torch.empty(h, pq, **f32), torch.empty(h, pq, **f32)
     dk_accum, dv_accum = torch.zeros(h_kv, pk * d_r, **f32), torch.zeros(h_kv, pk * d_r, **f32)
-    hint = _of_cu(cu[0], ("tile cumsum", tm), lambda: interface._compute_tile_cumsum(cu_seqlens=cu[0], tile_size=tm)[0])
     interface._bwd_preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None,
-                              interface.torch2cute_dtype_map[q.dtype], d, d, tm, cu_total_m_blocks=hint,
-                              fake_mode=fake, hdim_multiple_of=p.d_round)
+                              interface.torch2cute_dtype_map[q.dtype], d, d, tm,
+                              cu_total_m_blocks=tile_cumsum(cu[0], tm), fake_mode=fake, hdim_multiple_of=p.d_round)
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
     softcap = float(spec.softcap) if spec.softcap else None
     key = AccumKey(arch=arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal, local=local,
