@@ -177,6 +177,34 @@ def test_single_call_varlen_forward_is_fa4s_own_and_replays(fa4, case, monkeypat
     _run(fa4, q, k, v, torch.randn_like(q), {**kw, **cu_kw}, grads=False)  # and against float64
 
 
+def _single_backward(fa4, call: tuple, want: tuple, exact: dict, replay: bool, monkeypatch) -> None:
+    """``fa4.backward(*call)`` (``call = (dout, q, k, v, out, lse, spec)``) against FA4's own ``want
+    = (dq, dk, dv)``: bit for bit where ``exact[name]``, else as close to float64 as FA4's (1.05x);
+    ``replay``: the call must replay a prepared plan (no checked path, no compile, no host sync)."""
+    from ringfa4.kernels.fa4 import compile_count
+
+    dout, q, k, v, out, lse, spec = call
+    before = compile_count()
+    if replay:
+        monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fa4.backward(*call)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    monkeypatch.undo()
+    cu = dict(cu_seqlens_q=spec.cu_seqlens_q, cu_seqlens_k=spec.cu_seqlens_k) if spec.varlen else {}
+    ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
+                          softmax_scale=spec.softmax_scale, **cu)[2:]
+    for name, x, y, r, t in zip(("dq", "dk", "dv"), got, want, ref, (q, k, v)):
+        assert x.dtype == BF16 and x.shape == t.shape and x.is_contiguous(), name
+        if exact[name]:
+            assert torch.equal(x, y), (replay, name, (x.float() - y.float()).abs().max())
+        else:
+            assert rel_err(x, r) <= 1.05 * rel_err(y, r) + 1e-6, (replay, name, rel_err(x, r), rel_err(y, r))
+    assert not replay or compile_count() == before
+
+
 PLAIN_BWD = DENSE + [(2, 300, 500, 4, 4, 64, dict(causal=True, deterministic=True))]  # MHA: a dQ semaphore only
 
 
@@ -191,8 +219,6 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
     host sync."""
     from flash_attn.cute import interface
 
-    from ringfa4.kernels.fa4 import compile_count
-
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
     b, s_q, s_k, h, h_kv, d, kw = case
@@ -206,25 +232,7 @@ def test_single_call_backward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
         q, k, v, dout = random_qkv(b, s_q, s_k, h, h_kv, d, dtype=BF16, device="cuda", seed=rep * 17 + s_k)
         out, lse = fa4.forward(q, k, v, spec)
         want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw, deterministic=spec.deterministic)
-        before = compile_count()
-        if rep:  # the replay: neither the checked path nor FA4's entry point runs
-            monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
-            torch.cuda.set_sync_debug_mode("error")  # and no host sync
-        try:
-            got = fa4.backward(dout, q, k, v, out, lse, spec)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        monkeypatch.undo()
-        ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
-                              softmax_scale=spec.softmax_scale)[2:]
-        for name, x, y, r, t in zip(("dq", "dk", "dv"), got, want, ref, (q, k, v)):
-            assert x.dtype == BF16 and x.shape == t.shape and x.is_contiguous(), name
-            if exact[name]:
-                assert torch.equal(x, y), (rep, name, (x.float() - y.float()).abs().max())
-            else:
-                assert rel_err(x, r) <= 1.05 * rel_err(y, r) + 1e-6, (rep, name, rel_err(x, r), rel_err(y, r))
-        if rep:
-            assert compile_count() == before
+        _single_backward(fa4, (dout, q, k, v, out, lse, spec), want, exact, rep > 0, monkeypatch)
 
 
 PLAIN_VARLEN_BWD = PLAIN_VARLEN[1:] + [  # FA4's varlen backward takes no empty query documents here
@@ -244,8 +252,6 @@ def test_single_call_varlen_backward_is_fa4s_own_and_replays(fa4, case, monkeypa
     host sync."""
     from flash_attn.cute import interface
 
-    from ringfa4.kernels.fa4 import compile_count
-
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
     lq, lk, h, h_kv, d, kw = case
@@ -259,25 +265,7 @@ def test_single_call_varlen_backward_is_fa4s_own_and_replays(fa4, case, monkeypa
         q, k, v, dout, _ = _varlen(lq, lk, h, h_kv, d, seed=rep * 17 + len(lq))
         out, lse = fa4.forward(q, k, v, spec)
         want = interface._flash_attn_bwd(q, k, v, out, dout, lse, **fa4_kw, deterministic=spec.deterministic)
-        before = compile_count()
-        if rep:  # the replay: neither the checked path nor FA4's entry point runs, and no host sync
-            monkeypatch.setattr(fa4, "_backward_plain", lambda *a: pytest.fail("the checked path ran again"))
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = fa4.backward(dout, q, k, v, out, lse, spec)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        monkeypatch.undo()
-        ref = reference_grads(q, k, v, dout, causal=spec.causal, window=spec.window, softcap=spec.softcap,
-                              softmax_scale=spec.softmax_scale, cu_seqlens_q=cu_kw["cu_seqlens_q"],
-                              cu_seqlens_k=cu_kw["cu_seqlens_k"])[2:]
-        for name, x, y, r, t in zip(("dq", "dk", "dv"), got, want, ref, (q, k, v)):
-            assert x.dtype == BF16 and x.shape == t.shape and x.is_contiguous(), name
-            if exact[name]:
-                assert torch.equal(x, y), (rep, name, (x.float() - y.float()).abs().max())
-            else:
-                assert rel_err(x, r) <= 1.05 * rel_err(y, r) + 1e-6, (rep, name, rel_err(x, r), rel_err(y, r))
-        assert not rep or compile_count() == before
+        _single_backward(fa4, (dout, q, k, v, out, lse, spec), want, exact, rep > 0, monkeypatch)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
