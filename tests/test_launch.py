@@ -123,8 +123,8 @@ def test_backend_replays_a_backward_plan_only_for_its_signature(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn-4 is not installed")
 def test_prepared_backward_declines_before_anything_runs():
     """plain_backward.prepare_backward refuses what FA4's entry point must serve (the backend then
-    calls it): other archs, varlen or sink specs, cast inputs or inputs of last-dim stride not 1, head
-    dims FA4 lacks; each before any compile."""
+    calls it): other archs, sink specs, a varlen spec with unpacked tensors, cast inputs or inputs of
+    last-dim stride not 1, head dims FA4 lacks; each before any compile."""
     from ringfa4.kernels.fa4 import plain_backward as pb
 
     q, out, dout = (torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -134,8 +134,9 @@ def test_prepared_backward_declines_before_anything_runs():
     n = len(pb._CACHE)
     cases = [
         ("sm90 only", (q, k, v, out, dout, lse, spec, 100)),
-        ("dense", (q, k, v, out, dout, lse, AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
-                                                     max_seqlen_k=64), 90)),
+        ("total_q", (q, k, v, out, dout, lse, AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
+                                                       max_seqlen_k=64), 90)),  # varlen: packed tensors
+        ("no sinks", (q, k, v, out, dout, lse, AttnSpec(causal=True, sinks=torch.zeros(4)), 90)),
         ("one dtype", (q, k, v, out.float(), dout, lse, spec, 90)),
         ("stride 1", (q, k, v, out, dout, lse.transpose(1, 2).contiguous().transpose(1, 2), spec, 90)),
         ("lse", (q, k, v, out, dout, torch.zeros(1, 4, 63), spec, 90)),
