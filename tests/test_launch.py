@@ -149,6 +149,26 @@ def test_prepared_backward_declines_before_anything_runs():
     assert len(pb._CACHE) == n
 
 
+def test_packed_single_call_plans_wait_for_their_gpu_tests(monkeypatch):
+    """The packed single call's prepared plans run only on generations in ``PACKED_RAN_ON`` (where
+    their GPU tests passed) or with ``untested_archs=True``; elsewhere the checked path declines
+    before anything is prepared and FA4's entry point serves the call."""
+    from ringfa4.kernels.fa4 import bwd_accum
+    from ringfa4.kernels.fa4.backend import Fa4Backend
+
+    monkeypatch.setattr(bwd_accum, "_arch", lambda: 90)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    spec = AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64)
+    q = torch.zeros(64, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+    closed = Fa4Backend()
+    assert closed._packed_plans_here() == (9 in Fa4Backend.PACKED_RAN_ON)
+    if not closed._packed_plans_here():
+        assert closed._forward_plain(q, k, k, spec, None) is None
+        assert closed._backward_plain(q, k, k, (q, q, torch.zeros(4, 64)), spec, None) is None
+    assert Fa4Backend(untested_archs=True)._packed_plans_here()
+
+
 @pytest.fixture(scope="module")
 def sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:

@@ -142,12 +142,16 @@ class Fa4Backend:
     where the fp32-output forward and the accumulating backward passed the GPU tests (sm90: the
     H200). On others (sm100: compiled in CI, never run) the ring rounds block outputs to q's dtype
     and uses the per-block backward, unless ``untested_archs=True`` (for experiments on new
-    hardware: ``get_backend("fa4", untested_archs=True)``).
+    hardware: ``get_backend("fa4", untested_archs=True)``). Likewise ``PACKED_RAN_ON``: where the
+    packed single call's prepared plans (:func:`.varlen_fwd.prepare_plain_varlen`, the packed
+    :mod:`.plain_backward`) passed the GPU tests; elsewhere that call takes FA4's entry points
+    unless ``untested_archs=True``.
     """
 
     name = "fa4"
     tile = 128  # FA4's kv / q tiles on sm90 and sm100
     RAN_ON = (9,)
+    PACKED_RAN_ON: tuple[int, ...] = ()  # built in session 32 without a device: its GPU tests are owed
 
     def __init__(self, untested_archs: bool = False) -> None:
         self.untested_archs = untested_archs
@@ -157,6 +161,12 @@ class Fa4Backend:
         from .bwd_accum import _arch
 
         return self.untested_archs or _arch() // 10 in self.RAN_ON
+
+    def _packed_plans_here(self) -> bool:
+        """Whether a packed single call may be prepared here (see the class doc, ``PACKED_RAN_ON``)."""
+        from .bwd_accum import _arch
+
+        return self.untested_archs or _arch() // 10 in self.PACKED_RAN_ON
 
     def fp32_block_outputs(self, device: torch.device) -> bool:
         """Whether ring blocks on ``device`` get fp32 outputs (our fp32-epilogue forward) where it
@@ -245,6 +255,8 @@ class Fa4Backend:
         from .fp32_forward import prepare_plain
         from .varlen_fwd import prepare_plain_varlen
 
+        if spec.varlen and not self._packed_plans_here():
+            return None
         try:
             if spec.varlen:
                 prepared = prepare_plain_varlen(q, k, v, spec)
@@ -312,6 +324,8 @@ class Fa4Backend:
             return None
         from .plain_backward import prepare_backward
 
+        if spec.varlen and not self._packed_plans_here():
+            return None
         out, dout, lse = merged
         try:
             prepared = prepare_backward(q, k, v, out, dout, lse, spec)
