@@ -191,6 +191,30 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 
 
+def test_loopback_hop_of_pieces_is_one_copy_per_rank(monkeypatch):
+    """A ring hop whose rank sends several pieces (the first K/V hop: K and V; the q side's first:
+    four) is one NCCL batch on a real rank, so one multi-tensor copy per receiving rank here; each
+    receive gets its sender's matching piece; a piece count that differs is refused."""
+    from ringfa4.parallel import LoopbackTransport
+
+    launches = []
+    real = torch._foreach_copy_
+
+    def counted(dsts, srcs, **kw):
+        launches.append(list(dsts))
+        return real(dsts, srcs, **kw)
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    P = 3
+    send = [(torch.full((4,), float(r)), torch.full((2,), 10.0 + r, dtype=torch.float64)) for r in range(P)]
+    recv = [(torch.empty(4), torch.empty(2, dtype=torch.float64)) for _ in range(P)]
+    LoopbackTransport().shift(send, recv, 1)
+    assert len(launches) == P and all(len(dsts) == 2 for dsts in launches)
+    for r in range(P):
+        assert torch.equal(recv[r][0], send[(r - 1) % P][0]) and torch.equal(recv[r][1], send[(r - 1) % P][1])
+    with pytest.raises(ValueError, match="pieces"):
+        LoopbackTransport().shift(send, [t[0] for t in recv], 1)
+
+
 def test_loopback_moves_launch_per_rank_as_real_ranks(monkeypatch):
     """The simulated executor issues a real rank's launches (issue 23): the loopback's exchange
     copies each receiving rank's moves from others in one multi-tensor copy (its NCCL batch) and its

@@ -232,19 +232,26 @@ class LoopbackTransport(Transport):
             for r in recv:
                 for piece in _pieces(r):
                     _poison_(piece)
-        pairs = [(dst, src) for i in range(n) for dst, src in zip(_pieces(recv[(i + offset) % n]), _pieces(send[i]),
-                                                                  strict=True)]
+        # per receiving rank its pieces (a multi-piece hop is one NCCL batch on a real rank: one
+        # multi-tensor copy here, as move_start's)
+        per_rank = [(list(_pieces(recv[(i + offset) % n])), list(_pieces(send[i]))) for i in range(n)]
+        for dsts, srcs in per_rank:
+            if len(dsts) != len(srcs):
+                raise ValueError(f"a hop sends {len(srcs)} pieces into {len(dsts)}")
         if stream is None:
-            for dst, src in pairs:
-                dst.copy_(src)
+            for dsts, srcs in per_rank:
+                torch._foreach_copy_(dsts, srcs)
             return _Handle()
         event = torch.cuda.Event()
 
         def post():
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            for dsts, srcs in per_rank:
+                if len(dsts) == 1:
+                    dsts[0].copy_(srcs[0], non_blocking=True)
+                else:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
             event.record(stream)
         self.on_stream(stream, device, post)
         return _Handle(event=event, device=device)
