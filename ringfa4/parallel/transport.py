@@ -234,10 +234,12 @@ class LoopbackTransport(Transport):
                     _poison_(piece)
         # per receiving rank its pieces (a multi-piece hop is one NCCL batch on a real rank: one
         # multi-tensor copy here, as move_start's)
-        per_rank = [(list(_pieces(recv[(i + offset) % n])), list(_pieces(send[i]))) for i in range(n)]
-        for dsts, srcs in per_rank:
+        per_rank = []
+        for i in range(n):
+            dsts, srcs = _pieces(recv[(i + offset) % n]), _pieces(send[i])
             if len(dsts) != len(srcs):
                 raise ValueError(f"a hop sends {len(srcs)} pieces into {len(dsts)}")
+            per_rank.append((dsts, srcs))
         if stream is None:
             for dsts, srcs in per_rank:
                 torch._foreach_copy_(dsts, srcs)
