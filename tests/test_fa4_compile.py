@@ -103,7 +103,7 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
     # current device (a CPU-only torch cannot answer): the fake tensors all live on cuda:0.
     torch.cuda.current_device = lambda: 0
     mode = FakeTensorMode()
-    backend = Fa4Backend(untested_archs=True)  # sm90's packed single call too (Fa4Backend.PACKED_RAN_ON)
+    backend = Fa4Backend()
     fwd_cache = interface._flash_attn_fwd.compile_cache.cache
     bwd_cache = interface._flash_attn_bwd.compile_cache.cache
     bf16 = torch.bfloat16

@@ -157,15 +157,16 @@ def test_packed_single_call_plans_wait_for_their_gpu_tests(monkeypatch):
     from ringfa4.kernels.fa4.backend import Fa4Backend
 
     monkeypatch.setattr(bwd_accum, "_arch", lambda: 90)
+    assert 9 in Fa4Backend.PACKED_RAN_ON and Fa4Backend()._packed_plans_here()  # sm90: its GPU tests passed
+    monkeypatch.setattr(Fa4Backend, "PACKED_RAN_ON", ())  # a generation they have not passed on
     cu = torch.tensor([0, 64], dtype=torch.int32)
     spec = AttnSpec(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64)
     q = torch.zeros(64, 4, 64, dtype=torch.bfloat16)
     k = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
     closed = Fa4Backend()
-    assert closed._packed_plans_here() == (9 in Fa4Backend.PACKED_RAN_ON)
-    if not closed._packed_plans_here():
-        assert closed._forward_plain(q, k, k, spec, None) is None
-        assert closed._backward_plain(q, k, k, (q, q, torch.zeros(4, 64)), spec, None) is None
+    assert not closed._packed_plans_here()
+    assert closed._forward_plain(q, k, k, spec, None) is None
+    assert closed._backward_plain(q, k, k, (q, q, torch.zeros(4, 64)), spec, None) is None
     assert Fa4Backend(untested_archs=True)._packed_plans_here()
 
 
