@@ -216,14 +216,13 @@ def _backward_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> lis
 def _varlen_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
     """One packed call (the 4k tokens as four 1k documents: what ``cp=None`` and Ulysses run on packs),
     forward and backward each alone: FA4's ``flash_attn_varlen_func`` / ``_flash_attn_bwd`` with
-    cu_seqlens against the backend's prepared plans (sm90: FA4's kernels; ``untested_archs`` while
-    ``Fa4Backend.PACKED_RAN_ON`` lacks the GPU)."""
+    cu_seqlens against the backend's (sm90: FA4's kernels from prepared plans)."""
     try:
         from flash_attn.cute import interface
     except ImportError:
         return []
     cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32, device="cuda")
-    be = get_backend("fa4", untested_archs=True)  # the prepared plans, admitted or not (PACKED_RAN_ON)
+    be = get_backend("fa4")
     spec = AttnSpec(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024)
     kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1024, max_seqlen_k=1024, causal=True)
     packed = [[t[0] for t in ts] for ts in sets]  # (4096, heads, d) each
