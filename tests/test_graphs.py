@@ -344,7 +344,7 @@ def test_evicted_pack_graphs_free_their_keys_and_replays_stay_exact():
     graphed = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
     graphed.graphs = RingGraphs(pack_graphs=1)
     packs = [[1, 700, 1500, 5, 3000, 2100], [3000, 1, 2000, 2305]]
-    sizes = []
+    sizes, per_key = [], []  # per round: the kept graphs' bytes, and by key (the step function's name)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*cuda_graphs.*")
         for seed in range(6):
@@ -360,7 +360,9 @@ def test_evicted_pack_graphs_free_their_keys_and_replays_stay_exact():
                     assert torch.equal(a, b), (seed, name)
             assert len(graphed.graphs.packs) == 1 and len(graphed.graphs.captured) == 2
             sizes.append(graphed.graph_memory())
-    assert all(s > 0 for s in sizes) and sizes[4] == sizes[2] and sizes[5] == sizes[3]
+            kept = graphed.graphs.key_bytes.items()
+            per_key.append(sorted((getattr(k[0], "__name__", str(k[0])), b) for k, b in kept))
+    assert all(s > 0 for s in sizes) and sizes[4] == sizes[2] and sizes[5] == sizes[3], (sizes, per_key)
 
 
 @pytest.mark.gpu
