@@ -191,12 +191,9 @@ def test_exchange_sends_each_rank_only_the_keys_it_sees(P, monkeypatch):
     _check(got, ref, _base_errors(q, k, v, do, cu, {"causal": True}, ref), torch.float64, f"exchange P={P}")
 
 
-def test_loopback_hop_of_pieces_is_one_copy_per_rank(monkeypatch):
-    """A ring hop whose rank sends several pieces (the first K/V hop: K and V; the q side's first:
-    four) is one NCCL batch on a real rank, so one multi-tensor copy per receiving rank here; each
-    receive gets its sender's matching piece; a piece count that differs is refused."""
-    from ringfa4.parallel import LoopbackTransport
-
+@pytest.fixture
+def foreach_launches(monkeypatch) -> list:
+    """The destination lists of every ``torch._foreach_copy_`` call (one multi-tensor copy launch each)."""
     launches = []
     real = torch._foreach_copy_
 
@@ -204,31 +201,33 @@ def test_loopback_hop_of_pieces_is_one_copy_per_rank(monkeypatch):
         launches.append(list(dsts))
         return real(dsts, srcs, **kw)
     monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    return launches
+
+
+def test_loopback_hop_of_pieces_is_one_copy_per_rank(foreach_launches):
+    """A ring hop whose rank sends several pieces (the first K/V hop: K and V; the q side's first:
+    four) is one NCCL batch on a real rank, so one multi-tensor copy per receiving rank here; each
+    receive gets its sender's matching piece; a piece count that differs is refused."""
+    from ringfa4.parallel import LoopbackTransport
+
     P = 3
     send = [(torch.full((4,), float(r)), torch.full((2,), 10.0 + r, dtype=torch.float64)) for r in range(P)]
     recv = [(torch.empty(4), torch.empty(2, dtype=torch.float64)) for _ in range(P)]
     LoopbackTransport().shift(send, recv, 1)
-    assert len(launches) == P and all(len(dsts) == 2 for dsts in launches)
+    assert len(foreach_launches) == P and all(len(dsts) == 2 for dsts in foreach_launches)
     for r in range(P):
         assert torch.equal(recv[r][0], send[(r - 1) % P][0]) and torch.equal(recv[r][1], send[(r - 1) % P][1])
     with pytest.raises(ValueError, match="pieces"):
         LoopbackTransport().shift(send, [t[0] for t in recv], 1)
 
 
-def test_loopback_moves_launch_per_rank_as_real_ranks(monkeypatch):
+def test_loopback_moves_launch_per_rank_as_real_ranks(foreach_launches):
     """The simulated executor issues a real rank's launches (issue 23): the loopback's exchange
     copies each receiving rank's moves from others in one multi-tensor copy (its NCCL batch) and its
     moves to itself in another (its local copies), never one launch for several ranks; every
     receive gets its matching send."""
     from ringfa4.parallel import LoopbackTransport
 
-    launches = []
-    real = torch._foreach_copy_
-
-    def counted(dsts, srcs, **kw):
-        launches.append(list(dsts))
-        return real(dsts, srcs, **kw)
-    monkeypatch.setattr(torch, "_foreach_copy_", counted)
     P = 3
     data = [torch.arange(10.0) + 100 * r for r in range(P)]
     # rank r sends rows [r, r + 2) to every rank (itself included) and rows [5, 6) to rank (r + 1) % P
@@ -236,7 +235,7 @@ def test_loopback_moves_launch_per_rank_as_real_ranks(monkeypatch):
     recvs = [[(s, torch.empty(2)) for s in range(P)] + [((r - 1) % P, torch.empty(1))] for r in range(P)]
     LoopbackTransport().move_start(sends, recvs)
     owner = {id(t): r for r in range(P) for _, t in recvs[r]}
-    assert len(launches) == 2 * P and all(len({owner[id(t)] for t in dsts}) == 1 for dsts in launches)
+    assert len(foreach_launches) == 2 * P and all(len({owner[id(t)] for t in dsts}) == 1 for dsts in foreach_launches)
     for r in range(P):
         for s, t in recvs[r][:P]:
             assert torch.equal(t, data[s][s:s + 2])

@@ -140,14 +140,6 @@ def test_single_call_forward_is_fa4s_own_and_replays(fa4, case, monkeypatch):
         assert lse.shape == (b, h, s_q)
 
 
-def _packed_plans(fa4):
-    """A backend that prepares packed single calls on this GPU whether or not they passed here yet
-    (``Fa4Backend.PACKED_RAN_ON``: these tests are what admits a generation there)."""
-    from ringfa4.kernels.fa4.backend import Fa4Backend
-
-    return fa4 if fa4._packed_plans_here() else Fa4Backend(untested_archs=True)
-
-
 # (q lengths, k lengths, h, h_kv, d, AttnSpec kwargs): packed single calls (cp=None, Ulysses' one call)
 PLAIN_VARLEN = [
     ([37, 0, 250, 3, 0, 90], [50, 20, 250, 0, 0, 128], 8, 2, 128, dict(causal=True)),  # empty documents
@@ -170,7 +162,6 @@ def test_single_call_varlen_forward_is_fa4s_own_and_replays(fa4, case, monkeypat
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the prepared single-call forward is sm90's (sm100 keeps FA4's entry point)")
-    fa4 = _packed_plans(fa4)
     lq, lk, h, h_kv, d, kw = case
     for rep in range(2):
         lq_r, lk_r = (lq, lk) if rep == 0 else (lq[::-1], lk[::-1])  # the same documents, another order
@@ -263,7 +254,6 @@ def test_single_call_varlen_backward_is_fa4s_own_and_replays(fa4, case, monkeypa
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the prepared single-call backward is sm90's (sm100 keeps FA4's entry point)")
-    fa4 = _packed_plans(fa4)
     lq, lk, h, h_kv, d, kw = case
     exact = {"dq": bool(kw.get("deterministic")), "dk": h // h_kv <= 2 or bool(kw.get("deterministic"))}
     exact["dv"] = exact["dk"]
