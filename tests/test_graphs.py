@@ -366,6 +366,47 @@ def test_evicted_pack_graphs_free_their_keys_and_replays_stay_exact():
 
 
 @pytest.mark.gpu
+def test_a_captures_memory_is_its_own_when_gc_frees_older_tensors_during_it(monkeypatch):
+    """Device tensors in reference cycles made before a capture (a first call's compiles leave some)
+    are freed whenever Python's gc runs, maybe inside the capture (forced here at its start, with the
+    automatic gc off): their bytes are not taken off the capture's count."""
+    import gc
+
+    _gpu()
+    P, kw = 4, {"causal": True, "deterministic": True}
+    q, k, v, do = random_qkv(1, 4096, 4096, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+
+    def counted(garbage: bool) -> int:
+        cp = ringfa4.ContextParallel.simulated(P, options=RingOptions(cuda_graphs=True))
+        _run(cp, q, k, v, do, **kw)  # seen once: eager
+        if garbage:
+            cycle = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda")]
+            cycle.append(cycle)
+            del cycle
+        gc.disable()
+        try:
+            _run(cp, q, k, v, do, **kw)  # captured (forward and backward)
+        finally:
+            gc.enable()
+        assert len(cp.graphs.captured) == 2 and all(cp.graphs.captured.values())
+        return cp.graph_memory()
+
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_collect(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        gc.collect()
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cuda_graphs.*")
+        counted(False)  # the process's first captures of this shape (compiles, lazy state)
+        clean = counted(False)
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_collect)
+        collected = counted(True)
+    assert clean > 0 and collected == clean, (clean, collected)
+
+
+@pytest.mark.gpu
 def test_a_failed_capture_leaves_the_callers_stream_and_runs_eagerly():
     """A ring step that cannot be captured (a host sync inside it) fails its capture: the call runs
     eagerly with the eager result, says so once, the caller's stream is current again, the key
