@@ -47,6 +47,13 @@ class NullBackend:
     def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
         return planes
 
+    def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        return _null_merge
+
+
+def _null_merge(q, k, v, out_acc, planes) -> None:
+    pass
+
 
 class _NullLayout:
     """dK / dV as a flat fp32 ``[dk | dv]`` of ``cap`` dense rows (a KVGradLayout of the state's own)."""
@@ -72,6 +79,10 @@ class _NullLayout:
         dv.copy_(buf[self.half:].view(self.shape)[:, :rows])
 
 
+def _null_replay(state, k, v, dk_acc, dv_acc) -> None:
+    pass
+
+
 class _NullAccum:
     """An AccumBackward whose blocks add nothing."""
 
@@ -80,6 +91,12 @@ class _NullAccum:
 
     def add_block(self, q0, q1, k, v, spec, dk_acc, dv_acc) -> None:
         pass
+
+    def replay(self, q0, q1, k, v, spec, dk_acc, dv_acc):
+        return _null_replay
+
+    def replay_class(self) -> int:
+        return 0
 
     def dq(self, dtype=None) -> torch.Tensor:
         return torch.zeros(self.q.shape, dtype=dtype or torch.float32)

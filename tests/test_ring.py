@@ -354,6 +354,95 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
 
 
+def _layout(*ts):
+    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in ts)
+
+
+@pytest.mark.parametrize("P,S,groups,window,side", [(4, 256, 2, None, "kv"), (8, 2 * 8 * 16 + 40, 2, (60, 0), "kv"),
+                                                    (4, 200, 1, None, "kv"), (4, 256, 2, None, "q"),
+                                                    (8, 256, 1, (60, 0), "q")])
+def test_travelled_blocks_replay_their_first_call(P, S, groups, window, side, monkeypatch):
+    """Blocks against data that came by a hop repeat a prepared launch (AccumBackward.replay), one
+    per (head group, state class, block, held rows), with no checks: every argument of a replayed
+    block has the shapes, strides, dtypes and alignment of the call that prepared it, also across
+    ranks of uneven length (S not a multiple of 2P tiles), with b = 2, in the backend's own dK/dV
+    layout and a plain one, K/V travelling or the q side (MHA); gradients are the same bits as
+    without replays."""
+    from ringfa4.kernels.reference import _ReferenceAccum
+
+    made = []
+    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
+        HeadMajorGrads(k, cap, 1)) or made[-1])
+    q, k, v, do = random_qkv(2, S, S, 4, 2 if side == "kv" else 4, 16, dtype=torch.bfloat16, seed=11)
+    cp = _sim(P, RingOptions(fp32_grads=True, dkv_groups=groups, bwd_ring=side))
+
+    def grads():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        ringfa4.attention(*x, cp=cp, causal=True, window=window or (None, None)).backward(do)
+        return [t.grad for t in x]
+
+    monkeypatch.setattr(_ReferenceAccum, "replay", lambda self, *a: None)
+    plain = grads()
+    binds, replays = [], []
+
+    def replay(self, q0, q1, k_, v_, spec, dk, dv):
+        seen = (_layout(self.q, self.dout), _layout(k_, v_, dk, dv))
+        binds.append(seen)
+
+        def again(state, k2, v2, dk2, dv2):
+            assert (_layout(state.q, state.dout), _layout(k2, v2, dk2, dv2)) == seen
+            replays.append(1)
+            state.add_block(q0, q1, k2, v2, spec, dk2, dv2)
+        return again
+
+    monkeypatch.setattr(_ReferenceAccum, "replay", replay)
+    monkeypatch.setattr(_ReferenceAccum, "replay_class", lambda self: _layout(self.q, self.dout))
+    import ringfa4.parallel.ring.backward as bwd
+
+    real, used = bwd.backward_side, []
+    monkeypatch.setattr(bwd, "backward_side", lambda *a: used.append(real(*a)) or used[-1])
+    got = grads()
+    assert [type(x).__name__ for x in used] == [{"kv": "KVSide", "q": "QSide"}[side]]
+    assert binds and len(replays) > len(binds), (len(binds), len(replays))
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+@pytest.mark.parametrize("P,S,b", [(4, 256, 2), (8, 2 * 8 * 16 + 40, 1)])
+def test_travelled_merging_blocks_replay_their_first_call(P, S, b, monkeypatch):
+    """Merging forward blocks against K/V that came by a hop repeat a prepared launch
+    (BlockBackend.merge_replay), one per (q class, block, held K/V layout), with no checks: every
+    argument of a replayed block has the shapes, strides, dtypes and alignment of the call that
+    prepared it, also across ranks of uneven length; out and lse are the same bits as without."""
+    from ringfa4.kernels.reference import ReferenceBackend
+
+    q, k, v, do = random_qkv(b, S, S, 4, 2, 16, dtype=torch.bfloat16, seed=13)
+    cp = _sim(P, RingOptions(epilogue_merge=True))
+
+    def run():
+        out, lse = ringfa4.attention(q, k, v, cp=cp, causal=True, return_lse=True)
+        return out, lse
+
+    monkeypatch.setattr(ReferenceBackend, "merge_replay", lambda self, *a: None)
+    plain = run()
+    binds, replays = [], []
+    native = ReferenceBackend._merge_into
+
+    def merge_replay(self, q_, k_, v_, spec, o_, p_):
+        seen = _layout(q_, k_, v_, o_, p_)
+        binds.append(seen)
+
+        def again(q2, k2, v2, o2, p2):
+            assert _layout(q2, k2, v2, o2, p2) == seen
+            replays.append(1)
+            native(self, q2, k2, v2, spec, o2, p2)
+        return again
+
+    monkeypatch.setattr(ReferenceBackend, "merge_replay", merge_replay)
+    got = run()
+    assert binds and len(replays) > len(binds), (len(binds), len(replays))
+    assert all(torch.equal(a, c) for a, c in zip(got, plain))
+
+
 @pytest.mark.parametrize("decline", [False, True])
 def test_epilogue_merge_executor(decline, monkeypatch):
     """epilogue_merge with a backend offering ``forward_merge`` (the reference backend's torch

@@ -173,9 +173,16 @@ class ReferenceBackend:
                 or spec.sinks is not None:
             return None
         validate_block(q, k, v, spec)
+        self._merge_into(q, k, v, spec, out_acc, planes)
+        return planes
+
+    def _merge_into(self, q, k, v, spec: AttnSpec, out_acc, planes) -> None:
         o, l = self._forward_dense(q, k, v, spec)
         merge_planes_(out_acc, planes, o, l)
-        return planes
+
+    def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        """The merging block again (forward_merge itself: nothing to prepare in torch)."""
+        return lambda q_, k_, v_, o_, p_: self._merge_into(q_, k_, v_, spec, o_, p_)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
@@ -252,6 +259,15 @@ class _ReferenceAccum:
     def kv_layout(self, k: torch.Tensor, cap: int) -> None:
         """No layout of its own: the ring keeps dK / dV dense."""
         return None
+
+    def replay(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, dk_acc: torch.Tensor,
+               dv_acc: torch.Tensor):
+        """The block again, on any state (add_block itself: the reference has no launch to prepare)."""
+        return lambda state, k_, v_, dk_, dv_: state.add_block(q0, q1, k_, v_, spec, dk_, dv_)
+
+    def replay_class(self) -> int:
+        """Every state alike (:meth:`replay` runs add_block on the state it is given)."""
+        return 0
 
     def heads(self, h0: int, h1: int) -> _ReferenceAccum:
         """The state of q heads ``[h0, h1)`` (views: dq adds into this state's accumulator)."""

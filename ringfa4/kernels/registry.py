@@ -115,6 +115,10 @@ class FallbackBackend:
         except BackendUnsupported:
             return None
 
+    def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        """The first backend's replay of a merging block that ran (it ran there)."""
+        return self.chain[0].merge_replay(q, k, v, spec, out_acc, planes)
+
 
 def backend_tile(backend: str | BlockBackend) -> int:
     """The token tile uneven sequences are cut to for ``backend`` (a name: FA4's 128 for "fa4" and

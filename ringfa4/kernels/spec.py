@@ -16,6 +16,7 @@ bottom-right aligned when ``s_q != s_k``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -227,6 +228,11 @@ class BlockBackend(Protocol):
         The block merged into ``out_acc`` and ``planes (b, h, 2, s_q)`` (see
         ``kernels/fa4/epilogue_merge.py``), None where it cannot (the ring then runs forward and a
         merge).
+    merge_replay(q, k, v, spec, out_acc, planes) -> callable | None
+        After a ``forward_merge`` with these arguments that ran: ``fn(q, k, v, out_acc, planes)``
+        repeating it without its checks on tensors of the same shapes, strides, dtypes and
+        alignment (the ring's later steps: the same rows of buffers laid out alike); None where
+        ``forward_merge`` itself is as cheap.
     """
 
     name: str
@@ -254,6 +260,9 @@ class BlockBackend(Protocol):
     def forward_merge(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                       out_acc: torch.Tensor, planes: torch.Tensor) -> torch.Tensor | None: ...
 
+    def merge_replay(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                     out_acc: torch.Tensor, planes: torch.Tensor) -> Callable[..., None] | None: ...
+
 
 class PlainBackend:
     """Base of a backend with only ``forward`` / ``backward``: the ring extras' "not offered"
@@ -274,6 +283,9 @@ class PlainBackend:
         return False
 
     def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes) -> None:
+        return None
+
+    def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes) -> None:
         return None
 
 
@@ -311,6 +323,12 @@ class AccumBackward(Protocol):
         travelling buffer).
     kv_layout(k, cap) -> a :class:`KVGradLayout` of the state's own for dK / dV of ``cap`` kv rows
         like ``k``, or None (the ring keeps them dense).
+    replay(q0, q1, k, v, spec, dk_acc, dv_acc) -> after an add_block with these arguments, a
+        callable ``fn(state, k, v, dk_acc, dv_acc)`` that repeats it, without its checks, for any
+        state of this backward whose ``replay_class()`` equals this one's and tensors of the same
+        shapes, strides, dtypes and alignment (the ring's later steps: the same rows of buffers
+        laid out alike); None where add_block itself is as cheap.
+    replay_class() -> a hashable, equal for states whose blocks one replay runs.
     For the q ring backward (``parallel/ring/q_side.py``, where the q side travels and K/V stay):
     travel() -> the state's q-side tensors another rank's blocks need (contiguous; sent as they
     are); dq_zeros(h0, h1) / dq_empty(h0, h1) -> a dq accumulator of q heads ``[h0, h1)`` in the
@@ -330,6 +348,11 @@ class AccumBackward(Protocol):
     def heads(self, h0: int, h1: int) -> AccumBackward: ...
 
     def kv_layout(self, k: torch.Tensor, cap: int) -> KVGradLayout | None: ...
+
+    def replay(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, dk_acc: torch.Tensor,
+               dv_acc: torch.Tensor) -> Callable[..., None] | None: ...
+
+    def replay_class(self) -> Hashable: ...
 
     def travel(self) -> tuple[torch.Tensor, ...]: ...
 

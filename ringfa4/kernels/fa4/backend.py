@@ -442,6 +442,15 @@ class Fa4Backend:
             self._plans.put(key, prepared.plan)
         return planes
 
+    def merge_replay(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                     out_acc: torch.Tensor, planes: torch.Tensor) -> _MergeReplay | None:
+        """After a :meth:`forward_merge` of these arguments that ran: its prepared launch (the plan
+        a later call of the same signature and alignment replays), or None (none was kept)."""
+        plan = self._plans.get(("merge", spec, signature(q, k, v, out_acc, planes)))
+        if plan is None or not (aligned((q, k, v, out_acc), 16) and aligned((planes,), 4)):
+            return None
+        return _MergeReplay(plan)
+
     def begin_backward(self, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        spec: AttnSpec) -> _Fa4Accum | None:
         """FA4's backward with fp32 dq / dk / dv across a ring (``fa4.bwd_accum``: one preprocess,
@@ -461,6 +470,34 @@ class Fa4Backend:
         return _Fa4Accum(state)
 
 
+class _MergeReplay:
+    """A ring block's prepared merging forward (``fp32_forward.ForwardPlan``) as a replay:
+    ``(q, k, v, out_acc, planes)``, no checks (the caller keeps the signature)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_acc: torch.Tensor,
+                 planes: torch.Tensor) -> None:
+        self.plan(q, k, v, out_acc, planes.select(2, 0))
+
+
+class _TileReplay:
+    """A ring block's prepared accumulating launch (``bwd_accum._TilePlan``) as an AccumBackward
+    replay: ``(state, k, v, dk_acc, dv_acc)``, no checks (the caller keeps the signature)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+
+    def __call__(self, state: _Fa4Accum, k: torch.Tensor, v: torch.Tensor, dk_acc: torch.Tensor,
+                 dv_acc: torch.Tensor) -> None:
+        self.plan(state.state, k, v, dk_acc, dv_acc)
+
+
 class _Fa4Accum:
     """AccumBackward over :mod:`.bwd_accum` (see there)."""
 
@@ -474,6 +511,25 @@ class _Fa4Accum:
         add = acc.accumulate_tiles if dk_acc.dim() == 3 else acc.accumulate  # FA4-layout (kv_layout) or dense
         add(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
             window=(spec.window_left, spec.window_right))
+
+    def replay(self, q0: int, q1: int, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, dk_acc: torch.Tensor,
+               dv_acc: torch.Tensor) -> _TileReplay | None:
+        """After an :meth:`add_block` with these arguments into FA4-layout accumulators: its prepared
+        launch (:func:`bwd_accum.tile_plan`), to repeat on states of this :meth:`replay_class`; None
+        for dense accumulators (their add goes through a scratch) or where nothing was prepared."""
+        from . import bwd_accum as acc
+
+        if dk_acc.dim() != 3:
+            return None
+        plan = acc.tile_plan(self.state, k, v, dk_acc, dv_acc, q0=q0, q1=q1, causal=spec.causal,
+                             window=(spec.window_left, spec.window_right))
+        return None if plan is None else _TileReplay(plan)
+
+    def replay_class(self) -> int:
+        """Equal for states whose blocks one :meth:`replay` runs (FA4's state signature)."""
+        from . import bwd_accum as acc
+
+        return acc.state_signature(self.state)
 
     def kv_layout(self, k: torch.Tensor, cap: int):
         """dK / dV kept in FA4's tile layout across the ring (:class:`bwd_accum.TileKVLayout`):

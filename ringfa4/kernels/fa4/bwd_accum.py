@@ -48,7 +48,7 @@ from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
 from .launch import PlanCache, aligned, plain, signature
 
 __all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
-           "can_implement", "finish", "prepare"]
+           "can_implement", "finish", "prepare", "state_signature", "tile_plan"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _BASE = 256  # digit base of the tile-order probe (0..255 are exact in fp16 and bf16)
@@ -242,7 +242,7 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
 
     A call whose signature (the state's tensors, k, v, the accumulators, the rows and mask) was
     checked before replays that call's prepared launch (:mod:`.launch`)."""
-    key = (_state_signature(state), signature(k, v, dk_tiles, dv_tiles), q0, q1, causal, tuple(window))
+    key = _tiles_key(state, k, v, dk_tiles, dv_tiles, q0, q1, causal, window)
     plan = _PLANS.get(key)
     if plan is not None and aligned((k, v), 16):
         plan(state, k, v, dk_tiles, dv_tiles)
@@ -297,8 +297,31 @@ def accumulate_tiles(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_
 _PLANS = PlanCache()  # accumulate_tiles' prepared launches by call signature
 
 
+def _tiles_key(state: BwdAccumState, k, v, dk_tiles, dv_tiles, q0: int, q1: int | None, causal: bool,
+               window: tuple) -> tuple:
+    """accumulate_tiles' plan key: what its checks read of the call."""
+    return _state_signature(state), signature(k, v, dk_tiles, dv_tiles), q0, q1, causal, tuple(window)
+
+
+def tile_plan(state: BwdAccumState, k: torch.Tensor, v: torch.Tensor, dk_tiles: torch.Tensor,
+              dv_tiles: torch.Tensor, *, q0: int = 0, q1: int | None = None, causal: bool = False,
+              window: tuple[int | None, int | None] = (None, None)) -> _TilePlan | None:
+    """The prepared launch a checked :func:`accumulate_tiles` call with these arguments left (it
+    replays that call: ``plan(state, k, v, dk_tiles, dv_tiles)``, valid for any state whose
+    :func:`state_signature` is this one's and tensors of these shapes, strides, dtypes and
+    alignment), or None (no such call yet, or k / v not 16-byte aligned)."""
+    plan = _PLANS.get(_tiles_key(state, k, v, dk_tiles, dv_tiles, q0, q1, causal, window))
+    return plan if plan is not None and aligned((k, v), 16) else None
+
+
 _STATE_SIGNATURES: dict[tuple, int] = {}  # interned: a plan key hashes one int for the state, not its tensors
 _NEXT_SIGNATURE = itertools.count()  # never reused, also after a clear (a live state keeps its number)
+
+
+def state_signature(state: BwdAccumState) -> int:
+    """A small int, equal for states whose block calls one prepared launch replays (what the
+    checks read of the state: arch, scale, softcap and its tensors' shapes, strides, dtypes)."""
+    return _state_signature(state)
 
 
 def _state_signature(state: BwdAccumState) -> int:

@@ -39,6 +39,11 @@ class AccumGradSink:
         self.groups = len(groups.layouts)
         self.qs, self.ks, self.vs = inputs
         self.views = ViewMemo()  # head groups and block rows of the held K/V
+        # travelled blocks' replays (AccumBackward.replay) by group, state class, block and held rows: the
+        # buffers K/V and dK/dV travel in are laid out alike on every rank and step, so such a block's
+        # arguments have the signature and alignment of the first one's (its checked call); False: none
+        self.replays: dict[tuple, object] = {}
+        self.classes: dict[tuple[int, int], object] = {}
         acc = acc_dtype(self.qs[0])
         self.scratch = None if in_place else [torch.empty(self.layouts[0].numel, dtype=acc, device=k.device)
                                               for k in self.ks]
@@ -49,17 +54,35 @@ class AccumGradSink:
     def empty(self, g: int, device) -> torch.Tensor:
         return torch.empty(self.layouts[g].numel, dtype=self.dtype, device=device)
 
-    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst, travelled: bool):
         if not blocks:
             return None
         target = dst if self.in_place else self.scratch[i].zero_()
         a, b = self.heads[g]
         k_g, v_g = self.views.get((k, v), ("heads", a, b), calls.kv_heads, k, v, a, b)
+        state = self.states[g][i]
         for blk in blocks:
             kv = self.views.get((k_g, v_g), ("rows", blk.k0, blk.k1), calls.kv_rows, blk, k_g, v_g)
-            calls.accumulate(self.states[g][i], blk, kv, self.run.spec, *self.layouts[g].cols(target, rows, blk.k0,
-                                                                                               blk.k1))
+            dk, dv = self.layouts[g].cols(target, rows, blk.k0, blk.k1)
+            if not travelled:  # step 0: the inputs' own K/V, laid out as the caller made them
+                calls.accumulate(state, blk, kv, self.run.spec, dk, dv)
+                continue
+            key = (g, self._class(g, i), blk, rows)
+            replay = self.replays.get(key)
+            if replay:
+                replay(state, kv[0], kv[1], dk, dv)
+                continue
+            calls.accumulate(state, blk, kv, self.run.spec, dk, dv)
+            if replay is None:
+                self.replays[key] = calls.accumulate_replay(state, blk, kv, self.run.spec, dk, dv) or False
         return None if self.in_place else target
+
+    def _class(self, g: int, i: int):
+        """State (g, i)'s replay class, asked once."""
+        got = self.classes.get((g, i))
+        if got is None:
+            got = self.classes[(g, i)] = self.states[g][i].replay_class()
+        return got
 
     def fold(self, i: int, mine, buf: torch.Tensor, rows: int) -> None:
         if mine is not None:

@@ -41,7 +41,7 @@ class BlockGradSink:
     def empty(self, g: int, device) -> torch.Tensor:
         return self.bufs.empty(device)
 
-    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst):
+    def compute(self, g: int, i: int, blocks, k, v, rows: int, dst, travelled: bool):
         mine = []
         for blk in blocks:
             tensors = (self.douts[i], self.qs[i], k, v, self.outs[i], self.lses[i])

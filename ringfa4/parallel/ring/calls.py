@@ -15,8 +15,8 @@ import torch
 from ...kernels.merge import merge_lse_, merge_planes_
 from ...kernels.spec import AttnSpec, BlockBackend, Written
 
-__all__ = ["accumulate", "add_lse", "backward", "backward_fp32", "forward", "forward_merge", "join_rows", "kv_heads",
-           "kv_rows", "merge", "merge_planes", "merge_rows"]
+__all__ = ["accumulate", "accumulate_replay", "add_lse", "backward", "backward_fp32", "forward", "forward_merge",
+           "join_rows", "kv_heads", "kv_rows", "merge", "merge_planes", "merge_replay", "merge_rows"]
 
 
 def forward(backend: BlockBackend, blk, q, k, v, base: AttnSpec, scratch_o: torch.Tensor, scratch_l: torch.Tensor
@@ -57,6 +57,14 @@ def forward_merge(backend: BlockBackend, blk, rows: tuple[torch.Tensor, ...], kv
     where the backend cannot."""
     q, out_acc, planes = rows
     return backend.forward_merge(q, *kv, blk.spec(base, q.device), out_acc, planes)
+
+
+def merge_replay(backend: BlockBackend, blk, rows: tuple[torch.Tensor, ...], kv: tuple[torch.Tensor, torch.Tensor],
+                 base: AttnSpec):
+    """After :func:`forward_merge` with these arguments ran: the backend's replay of it
+    (``fn(q, k, v, out_acc, planes)``), or None."""
+    q, out_acc, planes = rows
+    return backend.merge_replay(q, *kv, blk.spec(base, q.device), out_acc, planes)
 
 
 def merge(blk, out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, l: torch.Tensor, impl: str) -> None:
@@ -154,3 +162,11 @@ def accumulate(state, blk, kv: tuple[torch.Tensor, torch.Tensor], base: AttnSpec
     ``cols``); ``kv``: the block's key rows (:func:`kv_rows`)."""
     k, v = kv
     state.add_block(blk.q0, blk.q1, k, v, blk.spec(base, k.device), dk_acc, dv_acc)
+
+
+def accumulate_replay(state, blk, kv: tuple[torch.Tensor, torch.Tensor], base: AttnSpec, dk_acc: torch.Tensor,
+                      dv_acc: torch.Tensor):
+    """After :func:`accumulate` with these arguments: the state's replay of that block
+    (``fn(state, k, v, dk_acc, dv_acc)``, see AccumBackward), or None."""
+    k, v = kv
+    return state.replay(blk.q0, blk.q1, k, v, blk.spec(base, k.device), dk_acc, dv_acc)

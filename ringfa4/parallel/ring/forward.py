@@ -35,7 +35,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
             k_t, v_t = own[i] if t == 0 else bufs.view(kv.cur[i], travel_of(run, run.schedule.source(r, t, world)))
             rows = rows_of(run, r)
             for blk in run.schedule.blocks(r, t):
-                merge.block(i, blk, qs[i], k_t, v_t, rows)
+                merge.block(i, blk, qs[i], k_t, v_t, rows, t > 0)
         if handle is not None:
             run.transport.wait(handle)
             kv.swap()
@@ -113,7 +113,9 @@ class StepMerge:
                                       q.new_empty(lse_shape(q), dtype=self.lse_dtype))
         return self.by_shape[q.shape]
 
-    def block(self, i: int, blk, q, k, v, rows: int) -> None:
+    def block(self, i: int, blk, q, k, v, rows: int, travelled: bool) -> None:
+        """Rank i's ``blk`` against the held ``k, v``; ``travelled``: they came by a hop (in the
+        ring's own buffers)."""
         run = self.run
         if blk is self.direct[i]:  # the whole documents: their lse rows and final out rows, no merge
             o, _ = calls.forward(run.backend, blk, q, k, v, run.spec, self.finals[i], self.lses[i])
@@ -167,6 +169,12 @@ class EpilogueMerge(StepMerge):
         self.fresh = [True] * len(qs)
         self.rows_by_range: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         self.kv_views = ViewMemo()  # the blocks' kv rows of each held (k, v)
+        # travelled blocks' replays (BlockBackend.merge_replay) by q class, block and held rows: K/V that
+        # came by a hop sit in buffers laid out alike on every rank and step, and each rank's accumulator
+        # and planes alike, so such a block's arguments match the first one's (its checked call); False:
+        # none. Not while torch.compile traces (the backend's call is the graph break there).
+        self.replays: dict[tuple, object] | None = None if torch.compiler.is_compiling() else {}
+        self.q_class = [(q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16) for q in qs]
 
     def _rows(self, i: int, blk) -> tuple[torch.Tensor, ...]:
         """Rank i's views for ``blk``'s query rows (:func:`.calls.merge_rows`), made once per row range."""
@@ -183,7 +191,7 @@ class EpilogueMerge(StepMerge):
         self.planes[i][:, :, 1] = 0.0
         self.fresh[i] = False
 
-    def block(self, i: int, blk, q, k, v, rows: int) -> None:
+    def block(self, i: int, blk, q, k, v, rows: int, travelled: bool) -> None:
         run = self.run
         if self.fresh[i] and blk.covers(rows):
             m = self.planes[i][:, :, 0]
@@ -196,9 +204,19 @@ class EpilogueMerge(StepMerge):
         if self.fresh[i]:
             self._start(i)
         kv = self.kv_views.get((k, v), (blk.k0, blk.k1), calls.kv_rows, blk, k, v)
-        if calls.forward_merge(run.backend, blk, self._rows(i, blk), kv, run.spec) is None:
+        rows_i = self._rows(i, blk)
+        key = (self.q_class[i], blk, k.shape, k.stride()) if travelled and self.replays is not None else None
+        replay = None if key is None else self.replays.get(key)
+        if replay:
+            replay(rows_i[0], kv[0], kv[1], rows_i[1], rows_i[2])
+            return
+        if calls.forward_merge(run.backend, blk, rows_i, kv, run.spec) is None:
             o, l = calls.forward(run.backend, blk, q, k, v, run.spec, *self.target(i))
             calls.merge_planes(blk, self.outs[i], self.planes[i], o, l)
+            if key is not None:
+                self.replays[key] = False
+        elif key is not None and replay is None:
+            self.replays[key] = calls.merge_replay(run.backend, blk, rows_i, kv, run.spec) or False
 
     def finish(self) -> None:
         for i, (lse, planes) in enumerate(zip(self.lses, self.planes)):

@@ -43,7 +43,7 @@ class KVSide:
 
     def compute(self, g: int, i: int, r: int, t: int, held, dst):
         (k, v), n = held
-        return self.sink.compute(g, i, self.run.schedule.blocks(r, t), k, v, n, dst)
+        return self.sink.compute(g, i, self.run.schedule.blocks(r, t), k, v, n, dst, t > 0)
 
     def fold(self, i: int, mine, buf: torch.Tensor, held) -> None:
         self.sink.fold(i, mine, buf, held[1])

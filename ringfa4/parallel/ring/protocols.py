@@ -74,8 +74,9 @@ class GradSink(Protocol):
     def empty(self, g: int, device: torch.device) -> torch.Tensor: ...
 
     def compute(self, g: int, i: int, blocks: tuple, k: torch.Tensor, v: torch.Tensor, rows: int,
-                dst: torch.Tensor | None) -> Any:
-        """Local rank ``i``'s ``blocks`` against the held ``k, v`` (``rows`` of them)."""
+                dst: torch.Tensor | None, travelled: bool) -> Any:
+        """Local rank ``i``'s ``blocks`` against the held ``k, v`` (``rows`` of them); ``travelled``:
+        they came by a hop, in the ring's own buffers (every step but the first)."""
 
     def fold(self, i: int, mine: Any, buf: torch.Tensor, rows: int) -> None: ...
 
