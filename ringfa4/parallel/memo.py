@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["ViewMemo", "cached_method"]
+__all__ = ["ViewMemo", "cached_method", "numbered"]
 
 _MISSING = object()
 
@@ -51,3 +51,10 @@ class ViewMemo:
             self._alive.append(bases)
             got = self._got[slot] = make(*args)
         return got
+
+
+def numbered(items: list) -> list[int]:
+    """Each (hashable) item as a small int, equal for equal items, in order of first sight: a key
+    that hashes one int instead of shapes, strides and devices."""
+    seen: dict = {}
+    return [seen.setdefault(x, len(seen)) for x in items]

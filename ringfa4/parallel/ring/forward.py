@@ -11,7 +11,7 @@ import torch
 
 from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
-from ..memo import ViewMemo
+from ..memo import ViewMemo, numbered
 from . import calls
 from .buffers import KVBuffers, KVRing, own_kv, travelling
 from .run import RingRun, acc_dtype, cap_of, direct_home, lse_shape, row_dim, rows_of, travel_of, with_rows
@@ -174,7 +174,7 @@ class EpilogueMerge(StepMerge):
         # and planes alike, so such a block's arguments match the first one's (its checked call); False:
         # none. Not while torch.compile traces (the backend's call is the graph break there).
         self.replays: dict[tuple, object] | None = None if torch.compiler.is_compiling() else {}
-        self.q_class = [(q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16) for q in qs]
+        self.q_class = numbered([(q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16) for q in qs])
 
     def _rows(self, i: int, blk) -> tuple[torch.Tensor, ...]:
         """Rank i's views for ``blk``'s query rows (:func:`.calls.merge_rows`), made once per row range."""
@@ -205,7 +205,7 @@ class EpilogueMerge(StepMerge):
             self._start(i)
         kv = self.kv_views.get((k, v), (blk.k0, blk.k1), calls.kv_rows, blk, k, v)
         rows_i = self._rows(i, blk)
-        key = (self.q_class[i], blk, k.shape, k.stride()) if travelled and self.replays is not None else None
+        key = (self.q_class[i], blk, k.shape[1]) if travelled and self.replays is not None else None
         replay = None if key is None else self.replays.get(key)
         if replay:
             replay(rows_i[0], kv[0], kv[1], rows_i[1], rows_i[2])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memo import ViewMemo
+from ..memo import ViewMemo, numbered
 from . import calls
 from .accum_sink import grad_layout, write_dkv
 from .buffers import KVBuffers
@@ -77,8 +77,8 @@ class QSide:
         # travelled blocks' replays (AccumBackward.replay) by group, home K/V class, visiting state class
         # and block: a visiting q side after a hop sits in buffers laid out alike on every rank and step
         self.replays: dict[tuple, object] = {}
-        self.kv_class = [(k.shape, k.stride(), k.dtype, k.data_ptr() % 16, v.shape, v.stride(), v.data_ptr() % 16)
-                         for k, v in zip(ks, vs)]
+        self.kv_class = numbered([(k.shape, k.stride(), k.dtype, k.data_ptr() % 16, v.shape, v.stride(),
+                                    v.data_ptr() % 16) for k, v in zip(ks, vs)])
         sched = run.schedule
         world = sched.world_size
         self.step = world - 1
