@@ -10,6 +10,7 @@ subprocess (this file run as a script); the two run side by side. Every call goe
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -125,7 +126,9 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
     fa4_module.validate_block = validate_on_host
 
     results = []
+    gc.disable()  # collected per pattern below: what the compiles leave in reference cycles
     for name, sizes, h, h_kv, d, kw, fresh in PATTERNS:
+        gc.collect()
         kw = dict(kw)
         if isinstance(sizes[0], list):  # varlen: (q lengths, k lengths) of the documents
             lq, lk = sizes
@@ -163,7 +166,10 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
         assert arch != "sm_90a" or len(fwd_cache) == n_entry, (name, "FA4's forward entry point compiled")
         assert new_fwd >= ("f" in fresh) and new_bwd >= ("b" in fresh), (
             f"{name}: expected a fresh compile ({fresh!r}), got {new_fwd} forward, {new_bwd} backward")
-        results.append(dict(name=name, new_fwd=new_fwd, new_bwd=new_bwd,
+        del q, k, v, out, lse, dq, dk, dv, got
+        cyclic = _tensors_in_cycles()  # a compile that kept the call's tensors in cycles would hold
+        assert cyclic == 0, (name, cyclic)  # their memory until Python's gc next runs
+        results.append(dict(name=name, new_fwd=new_fwd, new_bwd=new_bwd, cyclic_tensors=cyclic,
                             fwd_s=round(t1 - t0, 2), bwd_s=round(t2 - t1, 2)))
 
     # The compile target really was `arch`: its PTX and cubin are in the dump for both directions.
@@ -175,6 +181,19 @@ def _run_patterns(arch: str, dump_dir: str) -> list[dict]:
         text = Path(dump_dir, ptx[0]).read_text(errors="replace")
         assert f".target {arch}" in text, f"{ptx[0]} does not target {arch}"
     return results
+
+
+def _tensors_in_cycles() -> int:
+    """Tensors that only Python's cyclic gc would free (collected now, counted)."""
+    import torch
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
 
 
 def _start(arch: str, tmp: Path) -> tuple[subprocess.Popen, Path, Path]:
@@ -207,7 +226,7 @@ def test_fa4_patterns_compile(compile_runs, arch):
     cute_compile.wait_ok(proc, log, arch, timeout=280)
     results = json.loads(result.read_text())
     assert [r["name"] for r in results] == [p[0] for p in PATTERNS]
-    print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['fwd_s']}+{r['bwd_s']}s" for r in results))
+    print(f"\n{arch}: " + ", ".join(f"{r['name']} {r['fwd_s']}+{r['bwd_s']}s {r['cyclic_tensors']}" for r in results))
 
 
 def test_import_does_not_load_flash_attn():
