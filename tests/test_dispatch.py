@@ -204,6 +204,28 @@ def foreach_launches(monkeypatch) -> list:
     return launches
 
 
+def test_mixed_dtype_pieces_go_as_bytes_where_they_can():
+    """A hop's pieces of several dtypes become byte views of the same memory (one multi-tensor copy
+    of one dtype); pieces of one dtype, a pair whose dtypes differ, or a piece whose last dim is
+    strided stay as they are."""
+    from ringfa4.parallel.transport import _one_dtype
+
+    k, acc = torch.randn(2, 3, 4).bfloat16(), torch.randn(5)
+    dk, dacc = torch.empty_like(k), torch.empty_like(acc)
+    dsts, srcs = _one_dtype((dk, dacc), (k, acc))
+    assert all(t.dtype == torch.uint8 for t in dsts + srcs)
+    assert dsts[0].data_ptr() == dk.data_ptr() and srcs[1].data_ptr() == acc.data_ptr()
+    torch._foreach_copy_(dsts, srcs)
+    assert torch.equal(dk, k) and torch.equal(dacc, acc)
+    same = (torch.empty(4), torch.empty(2))
+    differ = ((torch.empty(4), torch.empty(2, dtype=torch.float64)), (torch.empty(4), torch.empty(2)))
+    strided = ((torch.empty(4, 4).bfloat16()[:, ::2], torch.empty(3)), (torch.empty(4, 4).bfloat16()[:, ::2],
+                                                                         torch.empty(3)))
+    for a, b in ((same, same), differ, strided):
+        got = _one_dtype(a, b)
+        assert got[0] is a and got[1] is b
+
+
 def test_loopback_hop_of_pieces_is_one_copy_per_rank(foreach_launches):
     """A ring hop whose rank sends several pieces (the first K/V hop: K and V; the q side's first:
     four) is one NCCL batch on a real rank, so one multi-tensor copy per receiving rank here; each
@@ -214,7 +236,9 @@ def test_loopback_hop_of_pieces_is_one_copy_per_rank(foreach_launches):
     send = [(torch.full((4,), float(r)), torch.full((2,), 10.0 + r, dtype=torch.float64)) for r in range(P)]
     recv = [(torch.empty(4), torch.empty(2, dtype=torch.float64)) for _ in range(P)]
     LoopbackTransport().shift(send, recv, 1)
+    # one dtype a launch (a multi-tensor copy of mixed dtypes would run a copy a piece): bytes
     assert len(foreach_launches) == P and all(len(dsts) == 2 for dsts in foreach_launches)
+    assert all({t.dtype for t in dsts} == {torch.uint8} for dsts in foreach_launches)
     for r in range(P):
         assert torch.equal(recv[r][0], send[(r - 1) % P][0]) and torch.equal(recv[r][1], send[(r - 1) % P][1])
     with pytest.raises(ValueError, match="pieces"):

@@ -354,6 +354,45 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
 
 
+@pytest.mark.parametrize("side", ["kv", "q"])
+def test_in_place_groups_send_the_data_with_group_0s_accumulators(side, monkeypatch):
+    """In place in two head groups, the travelling data (K/V, or the q side) goes in the same hop
+    as group 0's accumulators: a backward of s active steps makes 2 s hops (each group's s - 1
+    and its hop home), not 3 s - 1. K/V: the gradients are the bits of the dense layout's backward
+    (one group through a scratch, its data hopping alone); the q side (MHA) is in place in two
+    groups with either layout."""
+    from ringfa4.kernels.reference import _ReferenceAccum
+    from ringfa4.parallel import LoopbackTransport
+    from ringfa4.parallel.ring.run import active_steps
+
+    P, S = 4, 2 * 4 * 16
+    q, k, v, do = random_qkv(1, S, S, 4, 2 if side == "kv" else 4, 16, dtype=torch.bfloat16, seed=5)
+    cp = _sim(P, RingOptions(fp32_grads=True, dkv_groups=2, bwd_ring=side))
+    hops, real = [], LoopbackTransport.shift
+
+    def shift(self, send, recv, offset):
+        hops.append(len(send[0]) if isinstance(send[0], tuple) else 1)
+        return real(self, send, recv, offset)
+
+    def grads():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ringfa4.attention(*x, cp=cp, causal=True)
+        hops.clear()
+        out.backward(do)
+        return [t.grad for t in x]
+
+    monkeypatch.setattr(LoopbackTransport, "shift", shift)
+    dense = grads()
+    steps = active_steps(cp.run(q, AttnSpec(causal=True)).schedule)
+    assert len(hops) == (2 * steps if side == "q" else (steps - 1) + steps), hops  # kv dense: one group
+    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: HeadMajorGrads(k, cap, 1))
+    got = grads()
+    assert len(hops) == 2 * steps, hops
+    first = 3 if side == "kv" else 5  # K, V (q, dout, out, lse) as pieces on the first hop, then one buffer
+    assert hops.count(first) == 1 and hops.count(2) == steps - 2, hops
+    assert all(torch.equal(a, b) for a, b in zip(got, dense))
+
+
 def _layout(*ts):
     return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in ts)
 

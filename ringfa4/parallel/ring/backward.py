@@ -31,13 +31,14 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per local rank: dq, dk, dv in the inputs' dtypes (accumulated in fp32).
 
-    The travelling data (K/V, or the q side) hops ``side.step`` ranks a step, posted before the
-    step's blocks run; the travelling fp32 accumulators (dK/dV, or dq) go in ``side.groups``
-    pieces (head groups). Where the kernels add into the travelling buffer itself
-    (``side.in_place``), each group waits for its piece's hop from the step before, runs its
-    blocks into it and sends it on, so one group's hop hides behind the other groups' blocks;
-    otherwise a step's blocks go to a scratch (or come back per block) and are added after the hop
-    arrived. After the last step the accumulators go to their owners."""
+    The travelling data (K/V, or the q side) hops ``side.step`` ranks a step; the travelling fp32
+    accumulators (dK/dV, or dq) go in ``side.groups`` pieces (head groups). Where the kernels add
+    into the travelling buffer itself (``side.in_place``), each group waits for its piece's hop from
+    the step before, runs its blocks into it and sends it on, so one group's hop hides behind the
+    other groups' blocks; with two or more groups the data goes in group 0's hop (one transfer a
+    rank-step fewer; the data then hides behind the later groups' blocks). Otherwise the data is
+    posted before the step's blocks run, which go to a scratch (or come back per block) added after
+    the accumulators' hop arrived. After the last step the accumulators go to their owners."""
     steps, world = run.active_steps, run.schedule.world_size
     side = backward_side(run, douts, qs, ks, vs, outs, lses)
     local = range(len(run.ranks))
@@ -45,13 +46,18 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     acc_nxt = [[side.empty(g, i) for i in local] for g in range(side.groups)]
     hops: list = [None] * side.groups
     home = -(steps - 1) * side.step % world  # after the last step: back to the owner
+    # in place in head groups, the travelling data rides with group 0's accumulators (one transfer: one
+    # NCCL batch, one loopback copy), posted after group 0's blocks and hidden behind the other groups'
+    fused, waited = side.in_place and side.groups > 1, None
     for t in range(steps):
-        data_hop = run.transport.shift(*side.ring.send_recv(), side.step) if t + 1 < steps else None
+        more = t + 1 < steps
+        data_hop = run.transport.shift(*side.ring.send_recv(), side.step) if more and not fused else None
         held = [side.held(i, r, t) for i, r in enumerate(run.ranks)]
-        offset = side.step if t + 1 < steps else home
+        offset = side.step if more else home
         for g in range(side.groups):
             if side.in_place and hops[g] is not None:  # this group's accumulators, from the ranks before us
-                run.transport.wait(hops[g])
+                if hops[g] is not waited:
+                    run.transport.wait(hops[g])
                 acc_cur[g], acc_nxt[g] = acc_nxt[g], acc_cur[g]
             made = [side.compute(g, i, r, t, held[i], acc_cur[g][i] if side.in_place else None)
                     for i, r in enumerate(run.ranks)]
@@ -60,16 +66,26 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
                 acc_cur[g], acc_nxt[g] = acc_nxt[g], acc_cur[g]
             for i, mine in enumerate(made):
                 side.fold(i, mine, acc_cur[g][i], held[i])
-            hops[g] = run.transport.shift(acc_cur[g], acc_nxt[g], offset) if offset else None
+            if fused and more and g == 0:
+                send, recv = side.ring.send_recv()
+                hops[0] = data_hop = run.transport.shift(_with(send, acc_cur[0]), _with(recv, acc_nxt[0]), offset)
+            else:
+                hops[g] = run.transport.shift(acc_cur[g], acc_nxt[g], offset) if offset else None
         if data_hop is not None:
             run.transport.wait(data_hop)
             side.ring.swap()
+        waited = data_hop  # a fused hop: group 0's accumulators arrived with the data
     mine = side.local()  # what never travelled: runs while the last hops do
     for g, hop in enumerate(hops):
         if hop is not None:
             run.transport.wait(hop)
             acc_cur[g] = acc_nxt[g]
     return side.results(mine, acc_cur)
+
+
+def _with(data: list, accs: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """Per local rank, the pieces of its travelling data and its accumulator: one hop's pieces."""
+    return [(*(d if isinstance(d, tuple) else (d,)), a) for d, a in zip(data, accs, strict=True)]
 
 
 def hop_bytes(run: RingRun, qs, ks, vs, states: list | None = None) -> dict[str, int]:
