@@ -191,9 +191,9 @@ class RingGraphs:
             torch.cuda.current_stream().wait_stream(side)
             # counted from here: what the eager run leaves (device tensors made lazily and kept, or a
             # cache's entries it evicts) depends on earlier calls, and is not the capture's. Collected
-            # first: device tensors in reference cycles (a first call's compiles leave some, 22 tensors /
-            # 53 MB on one H100) would otherwise be freed whenever Python's gc runs, maybe inside the
-            # capture, taking their bytes off its count (session 33: a recapture read 4 MB less)
+            # first: device tensors in reference cycles (a first call can leave some: 53 MB on one H100)
+            # would otherwise be freed whenever Python's gc runs, maybe inside the capture, taking their
+            # bytes off its count (session 33: a recapture read 4 MB less)
             gc.collect()
             before = _requested_bytes() - sum(t.nbytes for t in _flat(static))
             if self.pool is None:
