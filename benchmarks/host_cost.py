@@ -251,10 +251,14 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
     S = tokens * P
     sets = _dense_inputs(S)
     spec = AttnSpec(causal=True)
-    modes = ("eager", "graphs") if args.graphs else ("eager",)
-    base = RingOptions.from_env()  # gpu.sh's variants (RINGFA4_*); graphs per mode
-    cps = {m: ringfa4.ContextParallel.simulated(P, backend=be, options=base.replace(cuda_graphs=m == "graphs"))
-           for m in modes}
+    base = RingOptions.from_env()  # gpu.sh's variants (RINGFA4_*); graphs / tapes per mode
+    # eager: the defaults (launch tapes since session 34); untaped: launch_tapes="off" (a parent's library
+    # without the field: eager only)
+    tapes = "launch_tapes" in RingOptions.field_names()
+    modes = ("eager",) + (("untaped",) if tapes else ()) + (("graphs",) if args.graphs else ())
+    mode_options = {"eager": base, "untaped": base.replace(launch_tapes="off") if tapes else base,
+                    "graphs": base.replace(cuda_graphs=True)}
+    cps = {m: ringfa4.ContextParallel.simulated(P, backend=be, options=mode_options[m]) for m in modes}
     steps = active_steps(cps["eager"].run(sets[0][0], spec).schedule)
     rank_steps = P * steps
     rows = []
@@ -277,7 +281,8 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
                    "launches_per_rank_step": launches(api) / rank_steps,
                    "efficiency": t_full / ring_ms, "of_calls_alone": timed["calls"]["ms"] / ring_ms,
                    "ring_ms": ring_ms, "calls_ms": timed["calls"]["ms"], "full_ms": t_full,
-                   "graph_mib": cps[mode].graph_memory() / 2**20}
+                   "graph_mib": cps[mode].graph_memory() / 2**20,
+                   "tape_mib": cps[mode].tape_memory() / 2**20 if hasattr(cps[mode], "tape_memory") else 0.0}
             if mode == "eager":
                 row["executor_us_per_rank_step"] = execu["us"] / rank_steps
                 if backward:  # the same call with its backward on this thread, not autograd's device thread

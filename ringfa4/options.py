@@ -31,6 +31,7 @@ _BWD_RINGS = ("auto", "kv", "q")
 _WIRES = ("fp32", "input")
 _MERGE_KERNELS = ("auto", "cute", "triton", "torch")
 _CHECKS = ("every_call", "new_shapes")
+_TAPES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,13 @@ class RingOptions:
     cuda_graphs: capture each ring forward and backward once per call key (shapes, spec, options)
         and replay it, hops included (:mod:`ringfa4.parallel.ring.graphs`: simulated or over NCCL;
         packed documents once the same pack comes again; other calls run eagerly and say why once).
+    launch_tapes: record each ring forward and backward once per call key and replay its launches
+        eagerly, without the executor's Python (:mod:`ringfa4.parallel.ring.tapes`): ``"auto"``
+        (CUDA calls whose backend and hops are recorded: the simulated executor; a real rank's hops
+        are not yet), ``"on"`` (CPU calls too; says once why a call is not taped) or ``"off"``.
+        Ignored where ``cuda_graphs`` captures the call.
+    launch_tape_mib: the most scratch (MiB) one call key's tape keeps between calls (its K/V
+        buffers, accumulators, backward state); a call over it runs untaped (>= 0).
     metadata_check: when the ranks of a distributed group compare a call's metadata (one small gloo
         all-gather on the control group, a few hundred us of host time): ``"every_call"`` (a bad
         input on any rank is the same ValueError on every rank before any data moves), or
@@ -78,17 +86,22 @@ class RingOptions:
     nvlink_domain: int | None = None
     cuda_graphs: bool = False
     metadata_check: str = "every_call"
+    launch_tapes: str = "auto"
+    launch_tape_mib: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("fp32_partials", "fp32_grads", "epilogue_merge", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RingOptions.{name} must be True or False, got {getattr(self, name)!r}")
         for name, allowed in (("bwd_ring", _BWD_RINGS), ("dkv_wire", _WIRES), ("merge_kernel", _MERGE_KERNELS),
-                              ("metadata_check", _CHECKS)):
+                              ("metadata_check", _CHECKS), ("launch_tapes", _TAPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RingOptions.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if isinstance(self.dkv_groups, bool) or not isinstance(self.dkv_groups, int) or self.dkv_groups < 1:
             raise ValueError(f"RingOptions.dkv_groups must be an int >= 1, got {self.dkv_groups!r}")
+        m = self.launch_tape_mib
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"RingOptions.launch_tape_mib must be an int >= 0, got {m!r}")
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"RingOptions.timeout_s must be a finite number of seconds > 0, got {t!r}")
@@ -170,7 +183,8 @@ class RingOptions:
         return tuple(f.name for f in fields(cls))
 
 
-_CHOICES = {"bwd_ring": _BWD_RINGS, "dkv_wire": _WIRES, "merge_kernel": _MERGE_KERNELS, "metadata_check": _CHECKS}
+_CHOICES = {"bwd_ring": _BWD_RINGS, "dkv_wire": _WIRES, "merge_kernel": _MERGE_KERNELS, "metadata_check": _CHECKS,
+            "launch_tapes": _TAPES}
 
 
 def _flag(auto_is: bool):
@@ -189,6 +203,12 @@ def _count(raw: str) -> int:
     return int(raw)
 
 
+def _size(raw: str) -> int:
+    if not raw.isdigit():
+        raise ValueError("must be an int >= 0")
+    return int(raw)
+
+
 ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "RINGFA4_FP32_PARTIALS": ("fp32_partials", _flag(True)),
     "RINGFA4_FP32_GRADS": ("fp32_grads", _flag(True)),
@@ -201,6 +221,8 @@ ENV_FIELDS: dict[str, tuple[str, Any]] = {
     "RINGFA4_NVLINK_DOMAIN": ("nvlink_domain", _count),
     "RINGFA4_CUDA_GRAPHS": ("cuda_graphs", _flag(False)),
     "RINGFA4_METADATA_CHECK": ("metadata_check", str),
+    "RINGFA4_LAUNCH_TAPES": ("launch_tapes", str),
+    "RINGFA4_LAUNCH_TAPE_MIB": ("launch_tape_mib", _size),
 }
 """Each ``RINGFA4_*`` variable :meth:`RingOptions.from_env` reads: the field it sets and its parser."""
 

@@ -55,10 +55,12 @@ def test_from_env_parses_every_variable():
     env = {"RINGFA4_FP32_PARTIALS": "0", "RINGFA4_FP32_GRADS": "auto", "RINGFA4_EPILOGUE_MERGE": "0",
            "RINGFA4_BWD_RING": "q", "RINGFA4_DKV_GROUPS": "4", "RINGFA4_DKV_WIRE": "input",
            "RINGFA4_MERGE": "triton", "RINGFA4_TIMEOUT_S": "12.5", "RINGFA4_NVLINK_DOMAIN": "72",
-           "RINGFA4_CUDA_GRAPHS": "1", "RINGFA4_METADATA_CHECK": "new_shapes", "OTHER": "x"}
+           "RINGFA4_CUDA_GRAPHS": "1", "RINGFA4_METADATA_CHECK": "new_shapes", "RINGFA4_LAUNCH_TAPES": "off",
+           "RINGFA4_LAUNCH_TAPE_MIB": "64", "OTHER": "x"}
     assert RingOptions.from_env(env) == RingOptions(
         fp32_partials=False, fp32_grads=True, epilogue_merge=False, bwd_ring="q", dkv_groups=4, dkv_wire="input",
-        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72, cuda_graphs=True, metadata_check="new_shapes")
+        merge_kernel="triton", timeout_s=12.5, nvlink_domain=72, cuda_graphs=True, metadata_check="new_shapes",
+        launch_tapes="off", launch_tape_mib=64)
     assert set(options_module.ENV_FIELDS) == {v for v in env if v != "OTHER"}
     assert {f for f, _ in options_module.ENV_FIELDS.values()} == set(RingOptions.field_names())
     assert RingOptions.from_env({}) == RingOptions()
@@ -73,6 +75,7 @@ def test_from_env_parses_every_variable():
     ("RINGFA4_DKV_GROUPS", "0", r"RINGFA4_DKV_GROUPS: RingOptions.dkv_groups must be an int >= 1, got 0"),
     ("RINGFA4_BWD_RING", "both", r"RINGFA4_BWD_RING: RingOptions.bwd_ring must be one of"),
     ("RINGFA4_TIMEOUT_S", "soon", r"RINGFA4_TIMEOUT_S='soon'"),
+    ("RINGFA4_LAUNCH_TAPE_MIB", "-1", r"RINGFA4_LAUNCH_TAPE_MIB='-1': must be an int >= 0"),
 ])
 def test_from_env_names_the_bad_variable(var, raw, message):
     with pytest.raises(ValueError, match=message):

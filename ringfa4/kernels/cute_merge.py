@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .cute_common import DTYPE_NAMES, align_bytes, cute_available, device_arch, pick_vec
+from .tape import launch
 
 __all__ = ["MergeKey", "compile_merge_kernel", "cute_merge_available", "merge_lse_cute_", "plan_merge"]
 
@@ -215,5 +216,5 @@ def merge_lse_cute_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch
     if o.shape[0] * o.shape[1] * o.shape[2] == 0:
         return True
     with torch.cuda.device(out_acc.device):
-        _compiled(key)(o, l, ob, lb)
+        launch(_compiled(key), o, l, ob, lb)
     return True

@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from .tape import launch
+
 __all__ = ["merge_lse_triton_", "triton_merge_available"]
 
 
@@ -91,7 +93,7 @@ def merge_lse_triton_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: tor
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(64, 4096 // block_d))
     grid = (triton.cdiv(n_rows, block_r),)
-    _kernel()[grid](o, l, ob, lb, n_rows, S, H, D,
+    launch(_kernel()[grid], o, l, ob, lb, n_rows, S, H, D,
                     o.stride(0), o.stride(1), o.stride(2), l.stride(0), l.stride(1), l.stride(2),
                     ob.stride(0), ob.stride(1), ob.stride(2), lb.stride(0), lb.stride(1), lb.stride(2),
                     BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)

@@ -184,6 +184,10 @@ class ReferenceBackend:
         """The merging block again (forward_merge itself: nothing to prepare in torch)."""
         return lambda q_, k_, v_, o_, p_: self._merge_into(q_, k_, v_, spec, o_, p_)
 
+    def launches_taped(self, device: torch.device) -> bool:
+        """torch ops only: a launch tape sees every one."""
+        return True
+
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: AttnSpec
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

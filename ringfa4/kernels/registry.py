@@ -119,6 +119,10 @@ class FallbackBackend:
         """The first backend's replay of a merging block that ran (it ran there)."""
         return self.chain[0].merge_replay(q, k, v, spec, out_acc, planes)
 
+    def launches_taped(self, device) -> bool:
+        """Whether every backend of the chain's launches are recorded (any of them may run a block)."""
+        return all(b.launches_taped(device) for b in self.chain)
+
 
 def backend_tile(backend: str | BlockBackend) -> int:
     """The token tile uneven sequences are cut to for ``backend`` (a name: FA4's 128 for "fa4" and

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from .host_copy import to_device
+from .tape import launch
 
 __all__ = ["RowSums", "sum_rows_", "sum_rows_triton_"]
 
@@ -91,7 +92,7 @@ def sum_rows_triton_(out: torch.Tensor, src: torch.Tensor, sums: RowSums) -> boo
 
     width = src[0].numel()
     block = min(1024, triton.next_power_of_2(max(width, 16)))
-    _kernel()[(sums.dst.numel(), triton.cdiv(width, block))](out, src, sums.dst, sums.ptr, sums.idx, width,
+    launch(_kernel()[(sums.dst.numel(), triton.cdiv(width, block))], out, src, sums.dst, sums.ptr, sums.idx, width,
                                                              out.stride(0), src.stride(0), BLOCK=block, num_warps=4)
     return True
 

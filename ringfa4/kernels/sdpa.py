@@ -182,6 +182,10 @@ class SdpaBackend(PlainBackend):
 
     name = "sdpa"
 
+    def launches_taped(self, device: torch.device) -> bool:
+        """aten's attention ops only: a launch tape sees every one."""
+        return True
+
     def __init__(self, ops: tuple[str, ...] = OPS) -> None:
         ops = tuple(ops)
         if not ops or any(op not in OPS for op in ops):

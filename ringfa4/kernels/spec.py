@@ -233,6 +233,10 @@ class BlockBackend(Protocol):
         repeating it without its checks on tensors of the same shapes, strides, dtypes and
         alignment (the ring's later steps: the same rows of buffers laid out alike); None where
         ``forward_merge`` itself is as cheap.
+    launches_taped(device) -> bool
+        Whether every launch the backend makes on ``device`` goes through torch's dispatcher or
+        :func:`ringfa4.kernels.tape.launch`, so a launch tape records a ring call over it whole
+        (:mod:`ringfa4.kernels.tape`).
     """
 
     name: str
@@ -263,6 +267,8 @@ class BlockBackend(Protocol):
     def merge_replay(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                      out_acc: torch.Tensor, planes: torch.Tensor) -> Callable[..., None] | None: ...
 
+    def launches_taped(self, device: torch.device) -> bool: ...
+
 
 class PlainBackend:
     """Base of a backend with only ``forward`` / ``backward``: the ring extras' "not offered"
@@ -287,6 +293,10 @@ class PlainBackend:
 
     def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes) -> None:
         return None
+
+    def launches_taped(self, device: torch.device) -> bool:
+        """Unknown for a subclass's own kernels: False (the torch-only backends say True)."""
+        return False
 
 
 class KVGradLayout(Protocol):

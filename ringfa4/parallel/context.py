@@ -39,7 +39,7 @@ from .layouts import HybridLayout, Layout, make_layout
 from .memo import cached_method
 from .packing import HybridPacking, Packing, cu_seqlens_from_position_ids
 from .planner import detect_nvlink_domain, plan_cp
-from .ring import RingGraphs, RingRun, ring_backward, ring_forward, ring_schedule
+from .ring import RingGraphs, RingRun, RingTapes, ring_backward, ring_forward, ring_schedule
 from .transport import LoopbackTransport
 from .ulysses import HeadSplit, expand_kv_heads
 from .varlen import PackedRingSchedule
@@ -67,6 +67,8 @@ class ContextParallel:
         warn_ignored_env()
         self.options, self.backend_name, self.plan = options, backend, None
         self.graphs = RingGraphs() if options.cuda_graphs else None  # captured ring calls (ring/graphs.py)
+        self.tapes = (RingTapes(options.launch_tapes, options.launch_tape_mib << 20)  # recorded launches
+                      if options.launch_tapes != "off" and not options.cuda_graphs else None)  # (ring/tapes.py)
         if _simulated is not None:
             self.comm = SimulatedGroup(_simulated, _transport)
         else:
@@ -117,10 +119,18 @@ class ContextParallel:
 
     def graphed(self, fn):
         """``fn(run, *per-rank lists)`` (a ring forward or backward), replayed from a CUDA graph
-        where ``RingOptions.cuda_graphs`` asks and the call can be captured (:mod:`.ring.graphs`)."""
-        if self.graphs is None:
-            return fn
-        return functools.partial(self.graphs.call, fn)
+        where ``RingOptions.cuda_graphs`` asks and the call can be captured (:mod:`.ring.graphs`),
+        else from a launch tape where ``RingOptions.launch_tapes`` allows (:mod:`.ring.tapes`)."""
+        if self.graphs is not None:
+            return functools.partial(self.graphs.call, fn)
+        if self.tapes is not None:
+            return functools.partial(self.tapes.call, fn)
+        return fn
+
+    def tape_memory(self) -> int:
+        """Bytes of device memory this group's launch tapes keep between calls (their scratch;
+        ``RingOptions.launch_tapes``)."""
+        return sum(t.memory_bytes() for t in {id(x): x for x in (self.tapes, self._ring.tapes) if x}.values())
 
     @property
     def timeout(self) -> datetime.timedelta:

@@ -18,7 +18,9 @@ computes one group of documents while the next group's K/V arrive.
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
 
-CUDA graphs (:mod:`.ring.graphs`) ask a transport whether its hops can be captured
+Stream and event operations go through :func:`ringfa4.kernels.tape.launch` (a launch tape
+records them; :mod:`.ring.tapes` asks :meth:`Transport.tape_blocker` whether a transport's hops
+can be taped). CUDA graphs (:mod:`.ring.graphs`) ask a transport whether its hops can be captured
 (:meth:`Transport.capture_blocker`), what identifies its communicator in a graph's key
 (:meth:`Transport.graph_key`), capture under :meth:`Transport.capturing` (a wait is then only
 stream-ordered: the stream watch never sees a captured work) and hand it every replay
@@ -35,6 +37,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from ..kernels.tape import launch
 
 __all__ = ["LoopbackTransport", "Moves", "P2PTransport", "Pending", "Transport"]
 
@@ -70,6 +74,18 @@ def _one_dtype(dsts: tuple[torch.Tensor, ...], srcs: tuple[torch.Tensor, ...]) -
 
 def _first(bufs: list) -> torch.Tensor:
     return _pieces(bufs[0])[0]
+
+
+def _wait_stream(stream: torch.cuda.Stream, other: torch.cuda.Stream) -> None:
+    stream.wait_stream(other)
+
+
+def _wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    stream.wait_event(event)
+
+
+def _record(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    event.record(stream)
 
 
 class _Replayed:
@@ -164,6 +180,11 @@ class Transport:
         """What a captured call depends on of this transport (its communicator): part of the key."""
         return ()
 
+    def tape_blocker(self) -> str | None:
+        """Why a ring call over this transport cannot be recorded in a launch tape
+        (:mod:`.ring.tapes`), or None."""
+        return "this transport does not say that its hops can be taped"
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """While a ring call is captured: waits are stream-ordered only (nothing is watched)."""
@@ -199,12 +220,12 @@ class Transport:
         are done and earlier readers of the receive buffers have finished); the compute stream is
         current again after."""
         compute = self.current_stream(device)
-        stream.wait_stream(compute)
-        torch.cuda.set_stream(stream)
+        launch(_wait_stream, stream, compute)
+        launch(torch.cuda.set_stream, stream)
         try:
             post()
         finally:
-            torch.cuda.set_stream(compute)
+            launch(torch.cuda.set_stream, compute)
 
     def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], offset: int) -> _Handle:
         raise NotImplementedError
@@ -224,7 +245,7 @@ class Transport:
     def finish(self, pending: Pending) -> None:
         """The compute stream (or the CPU) made to wait for the moves; their receives are then valid."""
         if pending.event is not None:
-            self.current_stream(pending.device).wait_event(pending.event)
+            launch(_wait_event, self.current_stream(pending.device), pending.event)
         if pending.unstage is not None:
             pending.unstage()
             pending.unstage = None
@@ -240,6 +261,10 @@ class LoopbackTransport(Transport):
 
     def capture_blocker(self) -> str | None:
         """Device-to-device copies on the communication stream: always capturable."""
+        return None
+
+    def tape_blocker(self) -> str | None:
+        """Copies and stream operations: always taped."""
         return None
 
     def shift(self, send, recv, offset):
@@ -266,19 +291,19 @@ class LoopbackTransport(Transport):
 
         def post():
             if self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
+                launch(torch.cuda._sleep, self.delay_cycles)
             for dsts, srcs in per_rank:
                 if len(dsts) == 1:
                     dsts[0].copy_(srcs[0], non_blocking=True)
                 else:
                     torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            event.record(stream)
+            launch(_record, event, stream)
         self.on_stream(stream, device, post)
         return _Handle(event=event, device=device)
 
     def wait(self, handle):
         if handle.event is not None:
-            self.current_stream(handle.device).wait_event(handle.event)
+            launch(_wait_event, self.current_stream(handle.device), handle.event)
 
     def move_start(self, sends, recvs, what="an exchange"):
         """Every rank local (list index = rank): each receive copied from its matching send on the
@@ -301,10 +326,10 @@ class LoopbackTransport(Transport):
 
         def post():
             if self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)
+                launch(torch.cuda._sleep, self.delay_cycles)
             for dsts, srcs in launches:  # one launch a rank and kind, as the ranks would
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            event.record(stream)
+            launch(_record, event, stream)
         self.on_stream(stream, device, post)
         for _, _, dst, src in pairs:  # kept from the allocator until the communication stream is past them
             dst.record_stream(stream)
@@ -347,6 +372,10 @@ class P2PTransport(Transport):
         """The communicator (a renewed group is a new key; the group itself, not its id, which a
         later group could reuse) and this rank's place in it."""
         return (self.group, self.rank, self.world_size)
+
+    def tape_blocker(self) -> str | None:
+        """A real rank's hops post NCCL (or gloo) work and watch its waits on the host: not taped."""
+        return "a real rank's hops are not taped (the simulated executor's are)"
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted

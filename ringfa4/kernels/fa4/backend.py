@@ -23,6 +23,7 @@ import torch
 from ..eager import eager_boundary
 from ..sinks import apply_sinks_
 from ..spec import AttnSpec, BackendUnsupported, check_grads, materialized
+from ..tape import launch
 from ..validate import known_empty_segment, validate_block, validate_varlen
 from .launch import PlanCache, aligned, signature
 
@@ -152,6 +153,7 @@ class Fa4Backend:
     tile = 128  # FA4's kv / q tiles on sm90 and sm100
     RAN_ON = (9,)
     PACKED_RAN_ON: tuple[int, ...] = (9,)  # test_single_call_varlen_*: one H100, session 32
+    TAPED_RAN_ON: tuple[int, ...] = (9,)  # test_tapes_gpu.py (a replay launches eager's kernels): H100, session 34
 
     def __init__(self, untested_archs: bool = False) -> None:
         self.untested_archs = untested_archs
@@ -167,6 +169,14 @@ class Fa4Backend:
         from .bwd_accum import _arch
 
         return self.untested_archs or _arch() // 10 in self.PACKED_RAN_ON
+
+    def launches_taped(self, device: torch.device) -> bool:
+        """Whether launch tapes may record ring calls here: every launch of this backend goes
+        through :func:`ringfa4.kernels.tape.launch`, and a replay was shown to issue eager's kernels
+        on this GPU generation (``TAPED_RAN_ON``)."""
+        from .bwd_accum import _arch
+
+        return device.type == "cuda" and (self.untested_archs or _arch() // 10 in self.TAPED_RAN_ON)
 
     def fp32_block_outputs(self, device: torch.device) -> bool:
         """Whether ring blocks on ``device`` get fp32 outputs (our fp32-epilogue forward) where it
@@ -235,7 +245,8 @@ class Fa4Backend:
         fwd, _ = _kernels()
         try:
             sink = {} if spec.sinks is None else {"learnable_sink": spec.sinks.detach().contiguous()}
-            res = fwd(q, k, v, **_common(q, spec), return_lse=True, out=None if fp32_out else out, lse=lse, **sink)
+            res = launch(fwd, q, k, v, **_common(q, spec), return_lse=True, out=None if fp32_out else out, lse=lse,
+                         **sink)
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 forward refused this call: {exc}") from exc
         if fp32_out:
@@ -306,7 +317,7 @@ class Fa4Backend:
                 return got
         _, bwd = _kernels()
         try:
-            grads = bwd(q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)
+            grads = launch(bwd, q, k, v, out, dout, lse, **_common(q, spec), deterministic=spec.deterministic)
         except AssertionError as exc:
             raise Fa4Unsupported(f"flash-attn-4 backward refused this call: {exc}") from exc
         return grads[0], grads[1], grads[2]

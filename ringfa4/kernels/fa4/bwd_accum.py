@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..tape import launch
 from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
 from .launch import PlanCache, aligned, plain, signature
 
@@ -161,7 +162,7 @@ def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
                           torch.empty(b, h, s_r * d_r, **f32), torch.empty(b, h, s_r, **f32),
                           torch.empty(b, h, s_r, **f32))
     if s_q and b:
-        interface._bwd_preprocess(out, dout, state.dpsum, lse, state.lse_log2, state.dq_accum, None, None,
+        launch(interface._bwd_preprocess, out, dout, state.dpsum, lse, state.lse_log2, state.dq_accum, None, None,
                                   None, interface.torch2cute_dtype_map[q.dtype], d, d, p.tile_m,
                                   fake_mode=is_fake_mode(), hdim_multiple_of=p.d_round)
     return state
@@ -398,7 +399,8 @@ class _TilePlan(NamedTuple):
         q, do, lse_log2, dpsum, dq_acc = self.rows.views(state)
         if dk_tiles.shape[2] != self.size:  # a block short of the accumulators' last rows
             dk_tiles, dv_tiles = dk_tiles.narrow(2, 0, self.size), dv_tiles.narrow(2, 0, self.size)
-        self.fn(plain(q), plain(k), plain(v), plain(do), lse_log2, dpsum, dq_acc, dk_tiles, dv_tiles, *self.tail)
+        launch(self.fn, plain(q), plain(k), plain(v), plain(do), lse_log2, dpsum, dq_acc, dk_tiles, dv_tiles,
+               *self.tail)
 
 
 class TileKVLayout:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..tape import launch
+
 __all__ = ["BwdPlan", "make_kernel", "plan", "postprocess", "sm90_kernel", "sm90_plan", "supported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -205,7 +207,7 @@ def postprocess(p: BwdPlan, kind: str, accum: torch.Tensor, out: torch.Tensor, s
     from flash_attn.cute import interface
 
     tile, threads, atom, swap, use2, cluster, order = p.dq_post if kind == "dq" else p.dkv_post
-    interface._bwd_postprocess_convert(
+    launch(interface._bwd_postprocess_convert,
         accum, out, scale, cu_seqlens, None, p.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1], tile,
         threads, atom, swap, use_2cta_instrs=use2, cluster_size=cluster, cu_total_m_blocks=cu_total_blocks,
         fake_mode=fake_mode, hdim_multiple_of=p.d_round, accum_order=order)

@@ -41,6 +41,7 @@ import torch
 
 from ..eager import eager_boundary
 from ..spec import AttnSpec
+from ..tape import launch
 from .launch import plain
 
 __all__ = ["Compiled", "ForwardPlan", "Fp32Key", "Prepared", "compile_only", "fa4_forward_fp32", "prepare_forward",
@@ -294,7 +295,7 @@ class ForwardPlan(NamedTuple):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
                  ) -> None:
         o_k, lse_k = (out.unsqueeze(0), lse.unsqueeze(0)) if self.split else (out, lse)
-        self.compiled.fn(plain(q), plain(k), plain(v), plain(o_k), plain(lse_k), *self.tail)
+        launch(self.compiled.fn, plain(q), plain(k), plain(v), plain(o_k), plain(lse_k), *self.tail)
         for lo, hi in self.empty_rows:
             out[:, lo:hi].zero_()
 

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..spec import AttnSpec
+from ..tape import launch
 from .bwd_accum import AccumKey
 from .bwd_plan import BwdPlan, _rup, sm90_kernel, sm90_plan
 from .launch import plain
@@ -117,15 +118,17 @@ class BackwardPlan(NamedTuple):
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         q, k, v, out, dout, lse = (plain(t) for t in (q, k, v, out, dout, lse))
         kern, sem = self.kernels, self.semaphores(b, h, h_kv, s_q_r, s_k_r, q.device)
-        kern.preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, None, None, None, None, None, 1.0, None, None)
+        launch(kern.preprocess, out, dout, dpsum, lse, lse_log2, dq_accum, None, None, None, None, None, 1.0, None,
+               None)
         if kern.post_dkv is None:  # MHA: the main kernel writes dK / dV in q's dtype
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *self.head, *sem, *self.tail)
+            launch(kern.main, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *self.head, *sem, *self.tail)
         else:  # GQA: q heads of a kv head reduce-add into fp32 accumulators
             dk_accum, dv_accum = (torch.zeros(b, h_kv, s_k_r * d_r, **f32) for _ in "kv")
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *self.head, *sem, *self.tail)
-            kern.post_dkv(dk_accum, dk, self.softmax_scale, None, None, None, None)
-            kern.post_dkv(dv_accum, dv, 1.0, None, None, None, None)
-        kern.post_dq(dq_accum, dq, self.softmax_scale, None, None, None, None)
+            launch(kern.main, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *self.head, *sem,
+                   *self.tail)
+            launch(kern.post_dkv, dk_accum, dk, self.softmax_scale, None, None, None, None)
+            launch(kern.post_dkv, dv_accum, dv, 1.0, None, None, None, None)
+        launch(kern.post_dq, dq_accum, dq, self.softmax_scale, None, None, None, None)
         return dq, dk, dv
 
     def launch_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -148,17 +151,17 @@ class BackwardPlan(NamedTuple):
         sem = self.semaphores(n_cu - 1, h, h_kv, _rup(self.longest[0], p.tile_m), _rup(self.longest[1], p.tile_n),
                               q.device)
         head = (self.head[0], *cu, *self.head[3:])
-        kern.preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None, None, None, 1.0,
+        launch(kern.preprocess, out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None, None, None, 1.0,
                         tile_cumsum(cu[0], p.tile_m), None)
         if kern.post_dkv is None:
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *head, *sem, *self.tail)
+            launch(kern.main, q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, *head, *sem, *self.tail)
         else:
             dk_accum, dv_accum = (torch.zeros(h_kv, pk * d_r, **f32) for _ in "kv")
-            kern.main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *head, *sem, *self.tail)
+            launch(kern.main, q, k, v, dout, lse_log2, dpsum, dq_accum, dk_accum, dv_accum, *head, *sem, *self.tail)
             hint_k = tile_cumsum(cu[1], p.dkv_post[0])
-            kern.post_dkv(dk_accum, dk, self.softmax_scale, cu[1], None, None, hint_k)
-            kern.post_dkv(dv_accum, dv, 1.0, cu[1], None, None, hint_k)
-        kern.post_dq(dq_accum, dq, self.softmax_scale, cu[0], None, None, tile_cumsum(cu[0], p.dq_post[0]))
+            launch(kern.post_dkv, dk_accum, dk, self.softmax_scale, cu[1], None, None, hint_k)
+            launch(kern.post_dkv, dv_accum, dv, 1.0, cu[1], None, None, hint_k)
+        launch(kern.post_dq, dq_accum, dq, self.softmax_scale, cu[0], None, None, tile_cumsum(cu[0], p.dq_post[0]))
         return dq, dk, dv
 
 

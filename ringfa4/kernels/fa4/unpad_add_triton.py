@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from ..tape import launch
+
 __all__ = ["unpad_add_triton_"]
 
 
@@ -71,6 +73,7 @@ def unpad_add_triton_(acc: torch.Tensor, accum: torch.Tensor, prow: torch.Tensor
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(16, 2048 // block_d))  # measured best on the H200 (d = 128: 16 rows, 57 against 73 us)
     grid = (triton.cdiv(total, block_r), heads)
-    _kernel()[grid](acc, accum, prow, order, total, d, float(scale), acc.stride(0), acc.stride(1), accum.stride(0),
-                    TILE=tile, TILE_ELEMS=tile * d_r, BLOCK_R=block_r, BLOCK_D=block_d, STORE=store, num_warps=4)
+    launch(_kernel()[grid], acc, accum, prow, order, total, d, float(scale), acc.stride(0), acc.stride(1),
+           accum.stride(0), TILE=tile, TILE_ELEMS=tile * d_r, BLOCK_R=block_r, BLOCK_D=block_d, STORE=store,
+           num_warps=4)
     return True

@@ -39,6 +39,7 @@ import functools
 import torch
 
 from ..spec import AttnSpec, Written, check_grads
+from ..tape import launch
 from .bwd_accum import _CACHE, AccumKey, _arch, _tile_order
 from .bwd_plan import make_kernel, plan, postprocess, supported
 
@@ -103,7 +104,8 @@ def tile_cumsum(cu: torch.Tensor, tile: int) -> torch.Tensor:
     document), its varlen schedulers' batch-lookup hint; once per cu_seqlens version."""
     from flash_attn.cute import interface
 
-    return _of_cu(cu, ("tile cumsum", tile), lambda: interface._compute_tile_cumsum(cu_seqlens=cu, tile_size=tile)[0])
+    return _of_cu(cu, ("tile cumsum", tile),
+                  lambda: launch(interface._compute_tile_cumsum, cu_seqlens=cu, tile_size=tile)[0])
 
 
 def _padded_rows_of(cu: torch.Tensor, total: int, tile: int) -> torch.Tensor:
@@ -239,7 +241,7 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     f32 = dict(dtype=torch.float32, device=q.device)
     dq_accum, dpsum, lse_log2 = torch.empty(h, pq * d_r, **f32), torch.empty(h, pq, **f32), torch.empty(h, pq, **f32)
     dk_accum, dv_accum = torch.zeros(h_kv, pk * d_r, **f32), torch.zeros(h_kv, pk * d_r, **f32)
-    interface._bwd_preprocess(out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None,
+    launch(interface._bwd_preprocess, out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None,
                               interface.torch2cute_dtype_map[q.dtype], d, d, tm,
                               cu_total_m_blocks=tile_cumsum(cu[0], tm), fake_mode=fake, hdim_multiple_of=p.d_round)
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
@@ -254,7 +256,7 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         _CACHE[key] = _compile(key, *_canonical(key, tensors, cu, tm, tn, d_r), scale, wl, wr)
     if fake:
         return key
-    _CACHE[key](*_args([t.detach() for t in tensors], cu, scale, wl, wr))
+    launch(_CACHE[key], *_args([t.detach() for t in tensors], cu, scale, wl, wr))
     if not _postprocess_written_dq(p, dq_acc, dq_accum, cu[0], scale, fake):
         _add_rows_(dq_acc, dq_accum, cu[0], tm, _tile_order(arch, q.dtype, d, "dq", q.device), d_r, scale)
     order_k = _tile_order(arch, q.dtype, d, "dkv", q.device)

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..spec import AttnSpec
+from ..tape import launch
 from .fp32_forward import (
     _CACHE,
     _DTYPES,
@@ -102,7 +103,7 @@ class VarlenPlan(NamedTuple):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  cu: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.compiled.fn(plain(q), plain(k), plain(v), plain(out), plain(lse), self.scale, *cu, *self.rest)
+        launch(self.compiled.fn, plain(q), plain(k), plain(v), plain(out), plain(lse), self.scale, *cu, *self.rest)
 
     def launch_new(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor]:

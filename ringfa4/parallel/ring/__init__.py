@@ -11,6 +11,7 @@ from .forward import ExactLse, ring_forward
 from .graphs import RingGraphs
 from .run import RingRun
 from .schedule import RingSchedule, ring_schedule
+from .tapes import RingTapes
 
-__all__ = ["ExactLse", "RingGraphs", "RingRun", "RingSchedule", "backward_side", "hop_bytes", "ring_backward",
-           "ring_forward", "ring_schedule"]
+__all__ = ["ExactLse", "RingGraphs", "RingRun", "RingSchedule", "RingTapes", "backward_side", "hop_bytes",
+           "ring_backward", "ring_forward", "ring_schedule"]

@@ -145,14 +145,17 @@ class RingGraphs:
             run.transport.after_replay(device)
             return tuple([o.clone() for o in lst] for lst in cap.outputs)
 
-    def entry(self, key: tuple, run: RingRun, capture: Callable[[], _Captured | None]) -> _Captured | None:
+    def entry(self, key: tuple, run: RingRun, capture: Callable[[], _Captured | None],
+              wanted: int | None = None) -> _Captured | None:
         """The graph of ``key`` (a call over ``run``), captured by ``capture()`` at the key's
-        ``run.schedule.graph_sightings()``-th call; None: the call runs eagerly (not yet, or its
-        capture failed). Graphs are kept for at most ``pack_graphs`` packs and ``dense_graphs``
-        dense schedules (a pack of one document that runs the dense ring is one of those)."""
-        wanted = run.schedule.graph_sightings()
+        ``wanted``-th call (default ``run.schedule.graph_sightings()``); None: the call runs eagerly
+        (not yet, or its capture failed). Graphs are kept for at most ``pack_graphs`` packs and
+        ``dense_graphs`` dense schedules (a pack of one document that runs the dense ring is one of
+        those)."""
+        wanted = run.schedule.graph_sightings() if wanted is None else wanted
         group = run.schedule.graph_key()
-        kept, limit = (self.packs, self.pack_graphs) if wanted > 1 else (self.dense, self.dense_graphs)
+        kept, limit = (self.packs, self.pack_graphs) if run.schedule.graph_sightings() > 1 else \
+            (self.dense, self.dense_graphs)
         if key in self.captured:
             if group in kept:
                 kept.move_to_end(group)

@@ -1,0 +1,441 @@
+"""Launch tapes: the device work of one call, recorded once and replayed without the Python that
+issued it (``RingOptions.launch_tapes``; :mod:`ringfa4.parallel.ring.tapes` says which calls).
+
+Recording runs the call itself under a ``TorchDispatchMode``. Every aten op that writes (in-place
+ops, out= ops, copies) becomes an entry; a functional op becomes its out= form writing into the
+tensor the recording produced (or the op and a copy into it, where it has no out= form); views
+and allocations are no entries (their tensors are kept). Device work the dispatcher does not see
+(compiled CuTe DSL and Triton kernels, FA4's helpers, stream and event operations) goes through
+:func:`launch`, which records it as one entry and nothing that runs inside it. A launch site that
+does not is caught by :meth:`Tape.verify`.
+
+The tensors an entry names are of three kinds:
+
+* derived from an input by view ops seen while recording: rebuilt on each replay's inputs (same
+  shape, strides and offset from the input; the caller keys a tape on the inputs' layouts and
+  alignment);
+* in the storage of an output: each replay allocates fresh storage and rebuilds them in it, so
+  a replay's outputs are its own;
+* anything else (scratch the recording allocated, a backend's tables): kept by the tape and
+  reused by every replay (:attr:`Tape.kept_bytes`).
+
+The stream current when recording starts is a slot too: a replay's stream operations use the
+stream current at the replay. A replay issues the entries in order: the same kernels on the same
+streams, without checks, plan lookups or allocations besides the outputs. Recording refuses (the
+call itself completes; :attr:`Recorder.refused` says why) where a replay could not repeat it: a
+host sync (``.item()``), a stream switch it did not see, an op returning no tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Recorder", "Tape", "launch", "recording"]
+
+_local = threading.local()
+aten = torch.ops.aten
+_ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
+          aten.new_empty_strided.default, aten.empty_like.default}
+_NOT_WORK = {aten.record_stream.default}  # the tape keeps every tensor alive: nothing to tell the allocator
+
+
+def launch(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``: device work torch's dispatcher does not see (a compiled kernel, a
+    Triton launch, an FA4 helper, a stream or event operation). ``fn`` must read nothing but its
+    arguments (tensors at most one list deep). While a tape records on this thread the call is one
+    entry, and nothing inside it is recorded."""
+    rec = getattr(_local, "recorder", None)
+    if rec is None:
+        return fn(*args, **kwargs)
+    return rec.opaque(fn, args, kwargs)
+
+
+def recording() -> bool:
+    """A tape records on this thread."""
+    return getattr(_local, "recorder", None) is not None
+
+
+class _Slot:
+    """A tensor rebuilt per replay: from input ``src`` (``kind`` "in") or fresh output storage
+    ``src`` ("out"), at ``byte_offset`` from its start (inputs: from the input's first element),
+    with ``shape``, ``stride`` and ``dtype``."""
+
+    __slots__ = ("kind", "src", "byte_offset", "shape", "stride", "dtype")
+
+    def __init__(self, kind: str, src: int, byte_offset: int, t: torch.Tensor) -> None:
+        self.kind, self.src, self.byte_offset = kind, src, byte_offset
+        self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+_STREAM = object()  # marks the recording's current stream among an entry's arguments
+
+
+class Recorder(TorchDispatchMode):
+    """Records the call run inside ``with recorder:`` (see the module doc); :meth:`tape` makes the
+    :class:`Tape` of it given the call's inputs and outputs."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.entries: list[tuple] = []  # (fn, args, kwargs, results to copy into or None)
+        self.refused: str | None = None
+        self.inside = 0  # > 0: inside a launch() call, nothing recorded
+        self.derived = WeakIdKeyDictionary()  # tensor -> its input index (views of inputs)
+        self.owned: set[int] = set()  # data_ptrs of storages allocated while recording
+        self.cuda = device.type == "cuda"
+        self.stream = self._raw_stream() if self.cuda else None
+        self.start_stream = torch.cuda.current_stream(device) if self.cuda else None
+
+    def _raw_stream(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.device.index if self.device.index is not None
+                                                 else torch.cuda.current_device())
+
+    def start(self, inputs: Sequence[torch.Tensor]) -> Recorder:
+        for i, t in enumerate(inputs):
+            if t not in self.derived:
+                self.derived[t] = i
+        return self
+
+    def __enter__(self):
+        if getattr(_local, "recorder", None) is not None:
+            raise RuntimeError("a launch tape is already recording on this thread")
+        _local.recorder = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _local.recorder = None
+        return super().__exit__(*exc)
+
+    def refuse(self, why: str) -> None:
+        if self.refused is None:
+            self.refused = why
+
+    # -- recording ---------------------------------------------------------------------------------
+    def opaque(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        self.inside += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.inside -= 1
+        if self.inside:
+            return out
+        results = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+        for t in results:
+            self._own(t)
+        self.entries.append((fn, args, kwargs, results or None))
+        if fn is torch.cuda.set_stream:
+            self.stream = args[0].cuda_stream
+        return out
+
+    def _own(self, t: torch.Tensor) -> None:
+        self.owned.add(t.untyped_storage().data_ptr())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside or func in _NOT_WORK:
+            return out
+        schema = func._schema
+        if func in _ALLOC:
+            self._own(out)
+            return out
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):  # a view
+            src = next((self.derived[a] for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+                        and a in self.derived), None)
+            if src is not None:
+                for t in _leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self.derived[t] = src
+            return out
+        tensors = [t for t in _leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if self.cuda and not any(t.device.type == "cuda" for t in tensors):
+            return out  # host work (index tables of a schedule): a function of the key, kept as it came out
+        if self.cuda and self._raw_stream() != self.stream:
+            self.refuse(f"{func} ran on a stream the tape did not see made current")
+        if schema.is_mutable:
+            self.entries.append((func, args, kwargs, None))
+            return out
+        results = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+        if not results or len(results) != len(list(_leaves(out))):
+            self.refuse(f"{func} returns a value to the host")
+            return out
+        for t in results:
+            self._own(t)
+        out_op = _out_form(func, len(results))
+        if out_op is None:
+            self.entries.append((func, args, kwargs, results))
+        else:
+            names = [a.name for a in out_op._schema.arguments if a.is_out]
+            self.entries.append((out_op, args, {**kwargs, **dict(zip(names, results))}, None))
+        return out
+
+    # -- the tape ----------------------------------------------------------------------------------
+    def tape(self, inputs: Sequence[torch.Tensor], outputs: Any) -> Tape | None:
+        """The tape of what was recorded, for calls whose inputs are laid out as ``inputs`` and
+        whose outputs (any nesting of lists / tuples of tensors) are made as ``outputs`` were;
+        None (with :attr:`refused` set) where it cannot be replayed."""
+        if self.refused is not None:
+            return None
+        input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
+        out_leaves, out_spec = _flatten(outputs)
+        fresh: dict[int, int] = {}  # output storage data_ptr -> index
+        fresh_bytes: list[int] = []
+        for t in out_leaves:
+            ptr = t.untyped_storage().data_ptr()
+            if t in self.derived:
+                continue
+            if ptr not in self.owned:
+                self.refuse("an output lives in memory the call did not allocate")
+                return None
+            if ptr not in fresh:
+                fresh[ptr] = len(fresh_bytes)
+                fresh_bytes.append(t.untyped_storage().nbytes())
+        slots: list[_Slot] = []
+        slot_of: dict[int, int] = {}
+        kept: dict[int, torch.UntypedStorage] = {}  # owned storages the entries name
+
+        def slot(t: torch.Tensor) -> int | None:
+            """The slot of ``t`` (a tensor rebuilt per replay), or None: kept as it is."""
+            if id(t) in slot_of:
+                return slot_of[id(t)]
+            ptr = t.untyped_storage().data_ptr()
+            if t in self.derived:
+                base = inputs[self.derived[t]]
+                off = (t.storage_offset() * t.element_size() - base.storage_offset() * base.element_size())
+                s = _Slot("in", self.derived[t], off, t)
+            elif ptr in fresh:
+                s = _Slot("out", fresh[ptr], t.storage_offset() * t.element_size(), t)
+            elif ptr in input_ptrs:
+                raise _Unreplayable("a tensor aliases an input through an op the tape did not see")
+            else:
+                if ptr in self.owned:
+                    kept.setdefault(ptr, t.untyped_storage())
+                return None
+            slot_of[id(t)] = len(slots)
+            slots.append(s)
+            return slot_of[id(t)]
+
+        try:
+            entries = [_Entry.make(fn, args, kwargs, results, slot, self.start_stream)
+                       for fn, args, kwargs, results in self.entries]
+            outs = [slot(t) for t in out_leaves]
+        except _Unreplayable as exc:
+            self.refuse(str(exc))
+            return None
+        return Tape(entries, slots, fresh_bytes, (outs, out_spec), kept, self.device)
+
+
+class _Unreplayable(Exception):
+    pass
+
+
+class _Entry:
+    """One recorded call: ``fn`` with its arguments, the slots patched in per replay."""
+
+    __slots__ = ("fn", "args", "kwargs", "patches", "results", "bound")
+
+    @staticmethod
+    def make(fn, args, kwargs, results, slot, start_stream) -> _Entry:
+        e = _Entry()
+        e.fn, e.patches = fn, []
+        e.args = [e._arg(a, ("a", i), slot, start_stream) for i, a in enumerate(args)]
+        e.kwargs = {k: e._arg(a, ("k", k), slot, start_stream) for k, a in kwargs.items()}
+        e.results = None
+        if results is not None:
+            e.results = [(s, None if s is not None else t) for t in results for s in [slot(t)]]
+        e.bound = functools.partial(fn, *e.args, **e.kwargs) if not e.patches else None
+        return e
+
+    def _arg(self, a, where, slot, start_stream):
+        """``a`` with its per-replay tensors (and the recording's stream) left out (None), which
+        :attr:`patches` fill in."""
+        if isinstance(a, torch.Tensor):
+            s = slot(a)
+            if s is None:
+                return a
+            self.patches.append((where, None, s))
+            return None
+        if start_stream is not None and isinstance(a, torch.cuda.Stream) and a == start_stream:
+            self.patches.append((where, None, _STREAM))
+            return None
+        if isinstance(a, (list, tuple)):
+            items = list(a)
+            for j, x in enumerate(items):
+                if isinstance(x, torch.Tensor):
+                    s = slot(x)
+                    if s is not None:
+                        self.patches.append((where, j, s))
+                        items[j] = None
+                elif any(slot(y) is not None for y in _leaves(x) if isinstance(y, torch.Tensor)):
+                    raise _Unreplayable("an input or output tensor nested two lists deep")
+            if items == list(a):  # nothing left out (identity: tensors compare elementwise)
+                return a
+            if hasattr(a, "_fields"):
+                raise _Unreplayable("an input or output tensor inside a named tuple")
+            return type(a)(items)
+        if isinstance(a, dict) and any(slot(y) is not None for y in _leaves(a) if isinstance(y, torch.Tensor)):
+            raise _Unreplayable("an input or output tensor inside a dict argument")
+        return a
+
+    def run(self, views: list, stream) -> None:
+        if self.bound is not None:
+            out = self.bound()
+        else:
+            args, kwargs = list(self.args), dict(self.kwargs)
+            copied = set()
+            for (side, key), j, s in self.patches:
+                value = stream if s is _STREAM else views[s]
+                box = args if side == "a" else kwargs
+                if j is None:
+                    box[key] = value
+                    continue
+                if (side, key) not in copied:
+                    copied.add((side, key))
+                    box[key] = list(box[key])
+                box[key][j] = value
+            out = self.fn(*args, **kwargs)
+        if self.results is not None:
+            got = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+            for (s, kept), new in zip(self.results, got, strict=True):
+                (kept if s is None else views[s]).copy_(new)
+
+
+class Tape:
+    """A recorded call (see the module doc): :meth:`replay` on new inputs laid out as the
+    recording's gives that call's outputs."""
+
+    def __init__(self, entries: list[_Entry], slots: list[_Slot], fresh_bytes: list[int], outs: tuple,
+                 kept: dict[int, torch.UntypedStorage], device: torch.device) -> None:
+        self.entries, self.slots, self.fresh_bytes, self.outs = entries, slots, fresh_bytes, outs
+        self.kept, self.device = kept, device
+        # fresh storages typed per dtype once a replay: which dtypes each is seen through
+        self.fresh_dtypes = [sorted({s.dtype for s in slots if s.kind == "out" and s.src == i}, key=str)
+                             for i in range(len(fresh_bytes))]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Device memory the tape keeps between calls (its scratch; outputs are made per replay)."""
+        return sum(s.nbytes() for s in self.kept.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _views(self, inputs: Sequence[torch.Tensor], poison: bool) -> list[torch.Tensor]:
+        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        for i, (nbytes, dtypes) in enumerate(zip(self.fresh_bytes, self.fresh_dtypes)):
+            if len(dtypes) == 1 and nbytes % dtypes[0].itemsize == 0:
+                typed[i, dtypes[0]] = torch.empty(nbytes // dtypes[0].itemsize, dtype=dtypes[0], device=self.device)
+            else:
+                raw = torch.empty(_round_up(nbytes, 16), dtype=torch.uint8, device=self.device)
+                for dt in dtypes:
+                    typed[i, dt] = raw.view(dt)
+            if poison:
+                next(t for (j, _), t in typed.items() if j == i).view(torch.uint8).fill_(255)
+        views = []
+        for s in self.slots:
+            if s.kind == "out":
+                base = typed[s.src, s.dtype]
+                views.append(base.as_strided(s.shape, s.stride, s.byte_offset // s.dtype.itemsize))
+                continue
+            x = inputs[s.src]
+            start = x.storage_offset() * x.element_size() + s.byte_offset
+            if s.dtype != x.dtype:
+                x = torch.empty(0, dtype=s.dtype, device=x.device).set_(x.untyped_storage())
+            views.append(x.as_strided(s.shape, s.stride, start // s.dtype.itemsize))
+        return views
+
+    def replay(self, inputs: Sequence[torch.Tensor], poison: bool = False) -> Any:
+        """The recorded call on ``inputs`` (laid out as the recording's): its outputs, fresh.
+        ``poison``: the fresh outputs start as all-ones bytes (NaN) (:meth:`verify`)."""
+        views = self._views(inputs, poison)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for e in self.entries:
+            e.run(views, stream)
+        leaves, spec = self.outs
+        return _unflatten([views[s] for s in leaves], spec)
+
+    def verify(self, inputs: Sequence[torch.Tensor], expected: Any, exact: bool) -> str | None:
+        """Replay on the recording's own ``inputs`` with every kept scratch and the fresh outputs
+        poisoned first (all-ones bytes), and compare with the recording's outputs ``expected``:
+        a launch the tape missed leaves poison or stale values behind. ``exact``: bit for bit (the
+        call is deterministic), else within 1e-2 of the largest magnitude (atomics reorder sums).
+        None where they agree, else what differs. Syncs the host once."""
+        for s in self.kept.values():
+            if s.device == self.device:  # (host tables of a CUDA call are not rewritten by a replay)
+                torch.empty(0, dtype=torch.uint8, device=self.device).set_(s).fill_(255)
+        got, _ = _flatten(self.replay(inputs, poison=True))
+        want, _ = _flatten(expected)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if not _agree(a, b, exact):
+                return f"the replay's output {i} {tuple(a.shape)} differs from the recorded call's"
+        return None
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """``a`` equals ``b`` bit for bit (``exact``), else: the same non-finite values in the same places
+    and the finite ones within 1e-2 of ``b``'s largest magnitude."""
+    if exact:
+        return torch.equal(a, b)
+    a, b = a.double(), b.double()
+    fa, fb = a.isfinite(), b.isfinite()
+    if not torch.equal(fa, fb) or not torch.equal(a[~fa], b[~fb]):
+        return False
+    if not bool(fb.any()):
+        return True
+    return bool((a[fa] - b[fb]).abs().max() <= 1e-2 * b[fb].abs().max() + 1e-6)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _leaves(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _leaves(item)]
+    if isinstance(x, dict):
+        return [y for item in x.values() for y in _leaves(item)]
+    return [x]
+
+
+def _flatten(x) -> tuple[list[torch.Tensor], Any]:
+    """Tensors of nested lists / tuples and the structure to rebuild them."""
+    if isinstance(x, torch.Tensor):
+        return [x], None
+    if isinstance(x, (list, tuple)):
+        leaves, specs = [], []
+        for item in x:
+            got, spec = _flatten(item)
+            leaves += got
+            specs.append((len(got), spec))
+        return leaves, (type(x), specs)
+    raise TypeError(f"launch tapes take lists and tuples of tensors, got {type(x).__name__}")
+
+
+def _unflatten(leaves: list, spec) -> Any:
+    if spec is None:
+        return leaves[0]
+    kind, specs = spec
+    out, at = [], 0
+    for n, sub in specs:
+        out.append(_unflatten(leaves[at:at + n], sub))
+        at += n
+    return kind(out)
+
+
+def _out_form(func, n_results: int):
+    """The out= overload of functional ``func`` taking the same arguments, or None."""
+    out_op = getattr(func.overloadpacket, "out", None)
+    if out_op is None:
+        return None
+    schema = out_op._schema
+    ins = [a.name for a in schema.arguments if not a.is_out]
+    if ins != [a.name for a in func._schema.arguments] or sum(a.is_out for a in schema.arguments) != n_results:
+        return None
+    return out_op

@@ -1,0 +1,130 @@
+"""Launch tapes of the ring (``RingOptions.launch_tapes``): a call's ring forward and its
+backward, hops included, recorded once per call key and replayed eagerly without the executor's
+and the block plans' Python (:mod:`ringfa4.kernels.tape`).
+
+A short chunk a rank makes the ring host-bound: a rank-step is a few kernel launches, and the
+Python that decides them (the schedule, buffer views, plan lookups, hop bookkeeping) costs more
+host time than the launches themselves. A tape keeps only the launches. Unlike a CUDA graph
+(:mod:`.graphs`), a replay is ordinary eager work: it reads the call's own inputs (no copies in)
+and writes fresh outputs (no copies out), runs where a capture cannot, and needs no memory pool.
+
+The key is a CUDA graph's (:class:`~.graphs.RingGraphs`: the step function, the schedule by
+value, ranks, spec, options, backend, transport, every input's shape, strides, dtype and device,
+autocast) plus each input's alignment (data pointer modulo 128 bytes, on CUDA), which inputs
+share storage, and the grad and inference modes. A key is recorded at its second call (the first
+compiles, probes and fills the caches later calls read: work a tape made of it would repeat), and
+at most ``pack_graphs`` packs and ``dense_graphs`` dense
+schedules are kept, the least recently replayed going first.
+
+Recording is the call itself, run under the recorder; then the tape is checked once
+(:meth:`~ringfa4.kernels.tape.Tape.verify`: replayed on the same inputs with its scratch and
+outputs poisoned, compared with the call's outputs; bit for bit where the call is deterministic),
+which costs one more call's GPU time and a host sync per key. A tape keeps its scratch between
+calls (the K/V buffers, accumulators, the backward's state): ``RingOptions.launch_tape_mib`` caps
+it per key; a call over the cap stays eager. ``launch_tapes="auto"`` tapes CUDA calls whose
+backend says its launches are recorded (:meth:`~ringfa4.kernels.spec.BlockBackend.launches_taped`)
+and whose hops are (the simulated executor's loopback; a real rank's NCCL hops are not taped yet),
+silently running the others eagerly; ``"on"`` tapes CPU calls too and says once why a call is not
+taped; ``"off"`` never tapes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ...kernels.tape import Recorder, Tape, recording
+from .graphs import RingGraphs, _autocast_state, _flat, _on
+from .run import RingRun
+
+__all__ = ["RingTapes"]
+
+
+class RingTapes(RingGraphs):
+    """The taped ring calls of one ``ContextParallel`` (see the module doc). ``mode``: the
+    option's value ("auto" | "on"); ``max_bytes``: the most scratch one key's tape may keep."""
+
+    def __init__(self, mode: str, max_bytes: int, pack_graphs: int = 8, pack_memory: int = 256,
+                 dense_graphs: int = 8) -> None:
+        super().__init__(pack_graphs, pack_memory, dense_graphs)
+        self.mode, self.max_bytes = mode, max_bytes
+        self.recorded = 0  # tapes made (tests, benchmarks)
+
+    def _say(self, reason: str) -> None:
+        if self.mode == "on" and reason not in self.said:
+            self.said.add(reason)
+            warnings.warn(f"ringfa4: RingOptions.launch_tapes: {reason}; this call runs untaped", UserWarning,
+                          stacklevel=4)
+
+    def why_not(self, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> str | None:
+        """Why this call is not taped, or None."""
+        device = lists[0][0].device
+        if device.type != "cuda" and self.mode == "auto":
+            return "not a CUDA call"
+        if recording() or torch.compiler.is_compiling():
+            return "the call is itself being recorded or compiled"
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "a CUDA graph capture is in progress"
+        blocker = run.transport.tape_blocker()
+        if blocker is not None:
+            return blocker
+        if not run.backend.launches_taped(device):
+            return f"backend {run.backend.name!r} does not record its launches on {device}"
+        return None
+
+    def call(self, fn, run: RingRun, *lists: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
+        """``fn(run, *lists)`` (a ring forward or backward on per-rank tensor lists), replayed from
+        its tape where it can be, else run (recording it at its key's sighting)."""
+        reason = self.why_not(run, lists)
+        if reason is not None:
+            self._say(reason)
+            return fn(run, *lists)
+        flat = _flat(lists)
+        first_of: dict[int, int] = {}
+        align = 128 if flat[0].device.type == "cuda" else 1  # (kernels assume alignments; torch on the CPU none)
+        layout = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % align,
+                        first_of.setdefault(t.untyped_storage().data_ptr(), i)) for i, t in enumerate(flat))
+        key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
+               run.transport.graph_key(), layout, tuple(len(lst) for lst in lists), _autocast_state(),
+               torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        device = flat[0].device
+        if key not in self.captured and device.type == "cuda" and torch.cuda.get_sync_debug_mode() != 0:
+            return fn(run, *lists)  # recording checks the tape with a host sync: not while syncs are watched
+        made: list = []
+        with _on(device):
+            # at the key's second call at the earliest: the first compiles, probes and fills the caches
+            # that later calls read (work a tape made of it would repeat every replay)
+            tape = self.entry(key, run, lambda: self._record(fn, run, lists, key, made),
+                              max(2, run.schedule.graph_sightings()))
+            if made:
+                return made[0]
+            if tape is None:
+                return fn(run, *lists)
+            return tape.replay(flat)
+
+    def _record(self, fn, run: RingRun, lists: tuple[list[torch.Tensor], ...], key: tuple, made: list
+                ) -> Tape | None:
+        """Run ``fn(run, *lists)`` recording it (its outputs into ``made``); its tape once checked,
+        else None (the key then runs untaped, said once)."""
+        flat = _flat(lists)
+        device = flat[0].device
+        recorder = Recorder(device).start(flat)
+        with recorder:
+            outputs = fn(run, *lists)
+        made.append(outputs)
+        tape = recorder.tape(flat, outputs)
+        if tape is None:
+            self._say(f"not recordable ({recorder.refused})")
+            return None
+        if tape.kept_bytes > self.max_bytes:
+            self._say(f"the call keeps {tape.kept_bytes / 2**20:.0f} MiB of scratch, over launch_tape_mib")
+            return None
+        exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
+        wrong = tape.verify(flat, outputs, exact)
+        if wrong is not None:
+            self._say(f"its check failed ({wrong}): a launch the tape did not record")
+            return None
+        self.key_bytes[key] = tape.kept_bytes
+        self.recorded += 1
+        return tape

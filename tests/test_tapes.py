@@ -1,0 +1,199 @@
+"""Launch tapes (ringfa4.kernels.tape, ringfa4.parallel.ring.tapes) on the CPU: a replay repeats the
+recorded call on new inputs bit for bit, with fresh outputs; what it cannot repeat is refused or
+caught by the check; the ring's taped calls equal its untaped ones."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ringfa4
+from ringfa4 import ContextParallel, RingOptions
+from ringfa4.kernels.tape import Recorder, launch
+
+CPU = torch.device("cpu")
+
+
+def _record(fn, inputs):
+    rec = Recorder(CPU).start(inputs)
+    with rec:
+        out = fn(*inputs)
+    return rec, out, rec.tape(inputs, out)
+
+
+def _mixed(q, k):
+    """Views, a functional op, in-place ops on a fresh buffer, a multi-tensor copy, a dtype view."""
+    acc = torch.zeros(q.shape, dtype=torch.float64)
+    acc[1:3] += q.narrow(0, 1, 2) * 2
+    acc.add_(k.to(torch.float64))
+    spare = torch.empty_like(q)
+    torch._foreach_copy_([spare], [q.flip(0)])
+    bits = acc.view(torch.int64)[0]
+    return [acc.to(torch.float32), spare + 1], bits.clone()
+
+
+def test_a_replay_on_new_inputs_equals_the_call_and_its_outputs_are_fresh():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    rec, out, tape = _record(_mixed, [q, k])
+    assert tape is not None and rec.refused is None
+    assert tape.verify([q, k], out, exact=True) is None
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        q2, k2 = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+        want = _mixed(q2, k2)
+        got = tape.replay([q2, k2])
+        assert all(torch.equal(a, b) for a, b in zip([*got[0], got[1]], [*want[0], want[1]]))
+    again = tape.replay([q2, k2])
+    assert again[0][0].data_ptr() != got[0][0].data_ptr()  # every replay's outputs are its own
+
+
+def test_inputs_that_are_views_with_other_offsets_are_read_where_they_are():
+    base = torch.randn(10, 3)
+    q, k = base[1:5], base[5:9]
+    _, out, tape = _record(_mixed, [q, k])
+    other = torch.randn(12, 3)
+    q2, k2 = other[3:7], other[7:11]
+    got, want = tape.replay([q2, k2]), _mixed(q2, k2)
+    assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
+
+
+def _unseen_write(q):
+    """A 'kernel' the dispatcher does not see: a write through numpy."""
+    buf = torch.empty_like(q)
+    buf.numpy()[:] = (q * 3).numpy()
+    return [buf + 1]
+
+
+def test_the_check_catches_a_launch_the_tape_did_not_record():
+    q = torch.randn(4, 3)
+    rec, out, tape = _record(_unseen_write, [q])
+    assert tape is not None  # nothing the recorder could see was wrong...
+    assert "differs" in tape.verify([q], out, exact=True)  # ...but the replay left the poison behind
+
+
+def _seen_write(q):
+    buf = torch.empty_like(q)
+    launch(_numpy_times_three, buf, q)
+    return [buf + 1]
+
+
+def _numpy_times_three(dst, src):
+    dst.numpy()[:] = (src * 3).numpy()
+
+
+def test_work_passed_through_launch_is_one_entry_and_replays():
+    q = torch.randn(4, 3)
+    rec, out, tape = _record(_seen_write, [q])
+    assert tape.verify([q], out, exact=True) is None
+    assert len(tape) == 2  # the launch (its multiply inside not recorded) and the add
+    q2 = torch.randn(4, 3)
+    assert torch.equal(tape.replay([q2])[0], q2 * 3 + 1)
+
+
+def test_a_host_sync_is_refused():
+    q = torch.randn(4, 3)
+
+    def syncs(q):
+        return [q * float(q.sum())]
+    rec, _, tape = _record(syncs, [q])
+    assert tape is None and "host" in rec.refused
+
+
+def test_an_output_in_memory_made_before_the_call_is_refused():
+    kept = torch.zeros(4, 3)
+
+    def into_kept(q):
+        kept.copy_(q)
+        return [kept]
+    rec, _, tape = _record(into_kept, [torch.randn(4, 3)])
+    assert tape is None and "did not allocate" in rec.refused
+
+
+# -- the ring ---------------------------------------------------------------------------------------
+def _qkv(S, h, hk, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, S, n, 16, generator=g, dtype=dtype).requires_grad_() for n in (h, hk, hk)]
+
+
+def _fwd_bwd(cp, q, k, v, seed, **kw):
+    o = ringfa4.attention(q, k, v, cp=cp, **kw)
+    o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 100), dtype=o.dtype))
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("P,layout,h,hk,kw", [
+    (2, "zigzag", 4, 2, dict(causal=True)),
+    (4, "zigzag", 4, 1, dict(causal=True)),
+    (3, "contiguous", 2, 2, dict(causal=False)),
+    (4, "zigzag", 4, 4, dict(causal=True, window=(40, 0))),
+    (8, "zigzag", 4, 2, dict(causal=True, softcap=5.0)),
+])
+def test_taped_ring_calls_equal_untaped_ones_bit_for_bit(P, layout, h, hk, kw):
+    taped = ContextParallel.simulated(P, layout=layout, backend="reference", options=RingOptions(launch_tapes="on"))
+    plain = ContextParallel.simulated(P, layout=layout, backend="reference", options=RingOptions(launch_tapes="off"))
+    S = 24 * P
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "on" says why a call is not taped: every call here is
+        for seed in (1, 2, 3):
+            got = _fwd_bwd(taped, *_qkv(S, h, hk, seed), seed, **kw)
+            want = _fwd_bwd(plain, *_qkv(S, h, hk, seed), seed, **kw)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+    assert taped.tapes.recorded == 2  # the forward and the backward at their second call; the third replayed
+    assert plain.tapes is None
+
+
+def test_packs_are_taped_at_their_second_call_and_stay_exact():
+    P = 4
+    taped = ContextParallel.simulated(P, backend="reference", options=RingOptions(launch_tapes="on"))
+    plain = ContextParallel.simulated(P, backend="reference", options=RingOptions(launch_tapes="off"))
+    lengths = [50, 7, 0, 90, 13]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    total = int(cu[-1])
+    outs = []
+    for cp in (taped, plain):
+        pack = cp.pack(cu, mode="ring")
+        res = []
+        for seed in (1, 2, 3):
+            g = torch.Generator().manual_seed(seed)
+            q, k, v = (pack.shard(torch.randn(total, n, 16, generator=g), 0).requires_grad_() for n in (4, 2, 2))
+            o = ringfa4.attention(q, k, v, cp=cp, packing=pack, causal=True)
+            o.backward(torch.randn(o.shape, generator=g))
+            res.append((o.detach(), q.grad, k.grad, v.grad))
+        outs.append(res)
+    for got, want in zip(*outs):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert taped.tapes.recorded == 2  # recorded at the pack's second call, replayed at its third
+
+
+def test_auto_leaves_cpu_calls_untaped_and_off_never_tapes():
+    auto = ContextParallel.simulated(2, backend="reference")
+    assert auto.options.launch_tapes == "auto"
+    _fwd_bwd(auto, *_qkv(32, 2, 2, 0), 0, causal=True)
+    assert auto.tapes.recorded == 0
+    assert ContextParallel.simulated(2, backend="reference", options=RingOptions(launch_tapes="off")).tapes is None
+
+
+def test_a_call_over_the_scratch_cap_runs_untaped_and_says_so_once():
+    cp = ContextParallel.simulated(2, backend="reference", options=RingOptions(launch_tapes="on", launch_tape_mib=0))
+    _fwd_bwd(cp, *_qkv(32, 2, 2, 0), 0, causal=True)  # a key's first call is not recorded
+    with pytest.warns(UserWarning, match="over launch_tape_mib"):
+        _fwd_bwd(cp, *_qkv(32, 2, 2, 0), 0, causal=True)
+    assert cp.tapes.recorded == 0 and cp.tape_memory() == 0
+
+
+def test_the_tapes_memory_is_their_scratch():
+    cp = ContextParallel.simulated(2, backend="reference", options=RingOptions(launch_tapes="on"))
+    for seed in range(2):  # the key's second call is recorded
+        _fwd_bwd(cp, *_qkv(64, 2, 2, seed), seed, causal=True)
+    assert cp.tapes.recorded == 2 and cp.tape_memory() > 0
+    assert cp.tape_memory() == sum(cp.tapes.key_bytes.values())
+
+
+@pytest.mark.parametrize("field,value", [("launch_tapes", "yes"), ("launch_tapes", True), ("launch_tape_mib", -1),
+                                         ("launch_tape_mib", 1.5), ("launch_tape_mib", True)])
+def test_bad_tape_options_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"RingOptions.{field}"):
+        RingOptions(**{field: value})
