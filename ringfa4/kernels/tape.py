@@ -28,6 +28,7 @@ host sync (``.item()``), a stream switch it did not see, an op returning no tens
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -69,9 +70,24 @@ class _Slot:
 
     __slots__ = ("kind", "src", "byte_offset", "shape", "stride", "dtype")
 
-    def __init__(self, kind: str, src: int, byte_offset: int, t: torch.Tensor) -> None:
+    def __init__(self, kind: str, src: int, byte_offset: int, shape: tuple, stride: tuple,
+                 dtype: torch.dtype) -> None:
         self.kind, self.src, self.byte_offset = kind, src, byte_offset
+        self.shape, self.stride, self.dtype = shape, stride, dtype
+
+
+class _Ref:
+    """A tensor an entry names, as recorded (no reference to it is held unless it existed before
+    the call): ``kind`` "in" (input ``where``, at ``offset`` bytes from its first element), "mem"
+    (memory the call allocated: ``where`` = (data_ptr, allocation number) of its storage, at
+    ``offset`` bytes into it) or "ext" (``tensor``: memory from before the call, kept as it is)."""
+
+    __slots__ = ("kind", "where", "offset", "shape", "stride", "dtype", "tensor")
+
+    def __init__(self, kind: str, where, offset: int, t: torch.Tensor, keep: bool = False) -> None:
+        self.kind, self.where, self.offset = kind, where, offset
         self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+        self.tensor = t if keep else None
 
 
 _STREAM = object()  # marks the recording's current stream among an entry's arguments
@@ -79,16 +95,21 @@ _STREAM = object()  # marks the recording's current stream among an entry's argu
 
 class Recorder(TorchDispatchMode):
     """Records the call run inside ``with recorder:`` (see the module doc); :meth:`tape` makes the
-    :class:`Tape` of it given the call's inputs and outputs."""
+    :class:`Tape` of it given the call's inputs and outputs.
+
+    The recording holds no reference to the memory the call allocates, so the caching allocator
+    reuses it within the call as it does untaped; the tape then lays the call's scratch out as
+    the call used it (the union of the address ranges, :meth:`tape`), about the call's peak."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.entries: list[tuple] = []  # (fn, args, kwargs, results to copy into or None)
+        self.entries: list[tuple] = []  # (fn, args, kwargs, results to copy into or None), tensors as _Ref
         self.refused: str | None = None
         self.inside = 0  # > 0: inside a launch() call, nothing recorded
         self.derived = WeakIdKeyDictionary()  # tensor -> its input index (views of inputs)
-        self.owned: set[int] = set()  # data_ptrs of storages allocated while recording
+        self.allocs: dict[int, tuple[int, int]] = {}  # storage data_ptr -> (allocation number, nbytes)
+        self.sizes: dict[tuple[int, int], int] = {}  # (data_ptr, allocation number) -> nbytes
         self.cuda = device.type == "cuda"
         self.stream = self._raw_stream() if self.cuda else None
         self.start_stream = torch.cuda.current_stream(device) if self.cuda else None
@@ -98,6 +119,7 @@ class Recorder(TorchDispatchMode):
                                                  else torch.cuda.current_device())
 
     def start(self, inputs: Sequence[torch.Tensor]) -> Recorder:
+        self.inputs = list(inputs)
         for i, t in enumerate(inputs):
             if t not in self.derived:
                 self.derived[t] = i
@@ -118,6 +140,45 @@ class Recorder(TorchDispatchMode):
             self.refused = why
 
     # -- recording ---------------------------------------------------------------------------------
+    def _own(self, t: torch.Tensor) -> None:
+        """``t``'s storage was allocated by the call (a new allocation at its address)."""
+        if t.device.type != self.device.type:  # host tensors of a CUDA call: kept as they are
+            return
+        s = t.untyped_storage()
+        key = (s.data_ptr(), len(self.sizes))
+        self.allocs[key[0]] = (key[1], s.nbytes())
+        self.sizes[key] = s.nbytes()
+
+    def _ref(self, t: torch.Tensor) -> _Ref:
+        if t in self.derived:
+            base = self.inputs[self.derived[t]]
+            off = t.storage_offset() * t.element_size() - base.storage_offset() * base.element_size()
+            return _Ref("in", self.derived[t], off, t)
+        s = t.untyped_storage()
+        got = self.allocs.get(s.data_ptr())
+        if got is not None and s.nbytes() <= got[1]:
+            return _Ref("mem", (s.data_ptr(), got[0]), t.storage_offset() * t.element_size(), t)
+        return _Ref("ext", None, 0, t, keep=True)
+
+    def _refs(self, x):
+        """``x`` (an argument) with its tensors as :class:`_Ref` (tensors at most one list deep;
+        deeper ones kept as they are, refused where they are the call's)."""
+        if isinstance(x, torch.Tensor):
+            return self._ref(x)
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(self._ref(y) if isinstance(y, torch.Tensor) else self._deep(y) for y in x)
+        return self._deep(x)
+
+    def _deep(self, x):
+        for t in _leaves(x) if isinstance(x, (list, tuple, dict)) else ():
+            if isinstance(t, torch.Tensor) and self._ref(t).kind != "ext":
+                self.refuse("a tensor of the call nested deeper than one list in an argument")
+        return x
+
+    def _entry(self, fn, args, kwargs, results) -> None:
+        self.entries.append((fn, tuple(self._refs(a) for a in args), {k: self._refs(a) for k, a in kwargs.items()},
+                             None if results is None else [self._ref(t) for t in results]))
+
     def opaque(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self.inside += 1
         try:
@@ -128,14 +189,12 @@ class Recorder(TorchDispatchMode):
             return out
         results = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
         for t in results:
-            self._own(t)
-        self.entries.append((fn, args, kwargs, results or None))
+            if t not in self.derived and t.untyped_storage().data_ptr() not in self.allocs:
+                self._own(t)  # made inside the call (aliases of its arguments stay what they were)
+        self._entry(fn, args, kwargs, results or None)
         if fn is torch.cuda.set_stream:
             self.stream = args[0].cuda_stream
         return out
-
-    def _own(self, t: torch.Tensor) -> None:
-        self.owned.add(t.untyped_storage().data_ptr())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -160,7 +219,7 @@ class Recorder(TorchDispatchMode):
         if self.cuda and self._raw_stream() != self.stream:
             self.refuse(f"{func} ran on a stream the tape did not see made current")
         if schema.is_mutable:
-            self.entries.append((func, args, kwargs, None))
+            self._entry(func, args, kwargs, None)
             return out
         results = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
         if not results or len(results) != len(list(_leaves(out))):
@@ -170,10 +229,10 @@ class Recorder(TorchDispatchMode):
             self._own(t)
         out_op = _out_form(func, len(results))
         if out_op is None:
-            self.entries.append((func, args, kwargs, results))
+            self._entry(func, args, kwargs, results)
         else:
             names = [a.name for a in out_op._schema.arguments if a.is_out]
-            self.entries.append((out_op, args, {**kwargs, **dict(zip(names, results))}, None))
+            self._entry(out_op, args, {**kwargs, **dict(zip(names, results))}, None)
         return out
 
     # -- the tape ----------------------------------------------------------------------------------
@@ -183,57 +242,63 @@ class Recorder(TorchDispatchMode):
         None (with :attr:`refused` set) where it cannot be replayed."""
         if self.refused is not None:
             return None
-        input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
         out_leaves, out_spec = _flatten(outputs)
-        fresh: dict[int, int] = {}  # output storage data_ptr -> index
+        fresh: dict[tuple[int, int], int] = {}  # an output's storage (data_ptr, allocation) -> index
         fresh_bytes: list[int] = []
-        for t in out_leaves:
-            ptr = t.untyped_storage().data_ptr()
-            if t in self.derived:
-                continue
-            if ptr not in self.owned:
+        out_refs = [self._ref(t) for t in out_leaves]
+        for r in out_refs:
+            if r.kind == "ext":
                 self.refuse("an output lives in memory the call did not allocate")
                 return None
-            if ptr not in fresh:
-                fresh[ptr] = len(fresh_bytes)
-                fresh_bytes.append(t.untyped_storage().nbytes())
+            if r.kind == "mem" and r.where not in fresh:
+                fresh[r.where] = len(fresh_bytes)
+                fresh_bytes.append(self.sizes[r.where])
+        arenas = _Arenas([(w[0], n) for w, n in self.sizes.items() if w not in fresh], self.device)
         slots: list[_Slot] = []
-        slot_of: dict[int, int] = {}
-        kept: dict[int, torch.UntypedStorage] = {}  # owned storages the entries name
+        slot_of: dict[tuple, int] = {}
 
-        def slot(t: torch.Tensor) -> int | None:
-            """The slot of ``t`` (a tensor rebuilt per replay), or None: kept as it is."""
-            if id(t) in slot_of:
-                return slot_of[id(t)]
-            ptr = t.untyped_storage().data_ptr()
-            if t in self.derived:
-                base = inputs[self.derived[t]]
-                off = (t.storage_offset() * t.element_size() - base.storage_offset() * base.element_size())
-                s = _Slot("in", self.derived[t], off, t)
-            elif ptr in fresh:
-                s = _Slot("out", fresh[ptr], t.storage_offset() * t.element_size(), t)
-            elif ptr in input_ptrs:
-                raise _Unreplayable("a tensor aliases an input through an op the tape did not see")
+        def resolve(r: _Ref):
+            """``r`` as (slot index, None) (rebuilt per replay) or (None, tensor) (kept)."""
+            if r.kind == "ext":
+                return None, r.tensor
+            if r.kind == "mem" and r.where not in fresh:
+                return None, arenas.view(r.where[0] + r.offset, r.shape, r.stride, r.dtype)
+            key = (r.kind, r.where, r.offset, r.shape, r.stride, r.dtype)
+            if key not in slot_of:
+                slot_of[key] = len(slots)
+                src, off = (r.where, r.offset) if r.kind == "in" else (fresh[r.where], r.offset)
+                slots.append(_Slot(r.kind if r.kind == "in" else "out", src, off, r.shape, r.stride, r.dtype))
+            return slot_of[key], None
+
+        entries = [_Entry.make(fn, args, kwargs, results, resolve, self.start_stream)
+                   for fn, args, kwargs, results in self.entries]
+        outs = [resolve(r)[0] for r in out_refs]
+        return Tape(entries, slots, fresh_bytes, (outs, out_spec), arenas.buffers, self.device)
+
+
+class _Arenas:
+    """Memory for the call's scratch as the call laid it out: the address ranges its allocations
+    took (``ranges``: (data_ptr, nbytes)), overlapping ones merged (the allocator reused them), one
+    buffer per merged range; a tensor at an address maps to the same offset in its range's buffer."""
+
+    def __init__(self, ranges: list[tuple[int, int]], device: torch.device) -> None:
+        merged: list[list[int]] = []
+        for start, n in sorted(r for r in ranges if r[1] > 0):
+            if merged and start < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], start + n)
             else:
-                if ptr in self.owned:
-                    kept.setdefault(ptr, t.untyped_storage())
-                return None
-            slot_of[id(t)] = len(slots)
-            slots.append(s)
-            return slot_of[id(t)]
+                merged.append([start, start + n])
+        self.starts = [a for a, _ in merged]
+        self.buffers = [torch.empty(b - a, dtype=torch.uint8, device=device) for a, b in merged]
+        self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-        try:
-            entries = [_Entry.make(fn, args, kwargs, results, slot, self.start_stream)
-                       for fn, args, kwargs, results in self.entries]
-            outs = [slot(t) for t in out_leaves]
-        except _Unreplayable as exc:
-            self.refuse(str(exc))
-            return None
-        return Tape(entries, slots, fresh_bytes, (outs, out_spec), kept, self.device)
-
-
-class _Unreplayable(Exception):
-    pass
+    def view(self, address: int, shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+        i = bisect.bisect_right(self.starts, address) - 1
+        base = self.typed.get((i, dtype))
+        if base is None:
+            base = self.typed[i, dtype] = torch.empty(0, dtype=dtype, device=self.buffers[i].device).set_(
+                self.buffers[i].untyped_storage())
+        return base.as_strided(shape, stride, (address - self.starts[i]) // dtype.itemsize)
 
 
 class _Entry:
@@ -242,46 +307,38 @@ class _Entry:
     __slots__ = ("fn", "args", "kwargs", "patches", "results", "bound")
 
     @staticmethod
-    def make(fn, args, kwargs, results, slot, start_stream) -> _Entry:
+    def make(fn, args, kwargs, results, resolve, start_stream) -> _Entry:
         e = _Entry()
         e.fn, e.patches = fn, []
-        e.args = [e._arg(a, ("a", i), slot, start_stream) for i, a in enumerate(args)]
-        e.kwargs = {k: e._arg(a, ("k", k), slot, start_stream) for k, a in kwargs.items()}
-        e.results = None
-        if results is not None:
-            e.results = [(s, None if s is not None else t) for t in results for s in [slot(t)]]
+        e.args = [e._arg(a, ("a", i), resolve, start_stream) for i, a in enumerate(args)]
+        e.kwargs = {k: e._arg(a, ("k", k), resolve, start_stream) for k, a in kwargs.items()}
+        e.results = None if results is None else [resolve(r) for r in results]
         e.bound = functools.partial(fn, *e.args, **e.kwargs) if not e.patches else None
         return e
 
-    def _arg(self, a, where, slot, start_stream):
+    def _arg(self, a, where, resolve, start_stream):
         """``a`` with its per-replay tensors (and the recording's stream) left out (None), which
         :attr:`patches` fill in."""
-        if isinstance(a, torch.Tensor):
-            s = slot(a)
+        if isinstance(a, _Ref):
+            s, t = resolve(a)
             if s is None:
-                return a
+                return t
             self.patches.append((where, None, s))
             return None
         if start_stream is not None and isinstance(a, torch.cuda.Stream) and a == start_stream:
             self.patches.append((where, None, _STREAM))
             return None
-        if isinstance(a, (list, tuple)):
-            items = list(a)
-            for j, x in enumerate(items):
-                if isinstance(x, torch.Tensor):
-                    s = slot(x)
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            items = []
+            for j, x in enumerate(a):
+                if isinstance(x, _Ref):
+                    s, t = resolve(x)
                     if s is not None:
                         self.patches.append((where, j, s))
-                        items[j] = None
-                elif any(slot(y) is not None for y in _leaves(x) if isinstance(y, torch.Tensor)):
-                    raise _Unreplayable("an input or output tensor nested two lists deep")
-            if items == list(a):  # nothing left out (identity: tensors compare elementwise)
-                return a
-            if hasattr(a, "_fields"):
-                raise _Unreplayable("an input or output tensor inside a named tuple")
+                    items.append(t)
+                else:
+                    items.append(x)
             return type(a)(items)
-        if isinstance(a, dict) and any(slot(y) is not None for y in _leaves(a) if isinstance(y, torch.Tensor)):
-            raise _Unreplayable("an input or output tensor inside a dict argument")
         return a
 
     def run(self, views: list, stream) -> None:
@@ -312,7 +369,7 @@ class Tape:
     recording's gives that call's outputs."""
 
     def __init__(self, entries: list[_Entry], slots: list[_Slot], fresh_bytes: list[int], outs: tuple,
-                 kept: dict[int, torch.UntypedStorage], device: torch.device) -> None:
+                 kept: list[torch.Tensor], device: torch.device) -> None:
         self.entries, self.slots, self.fresh_bytes, self.outs = entries, slots, fresh_bytes, outs
         self.kept, self.device = kept, device
         # fresh storages typed per dtype once a replay: which dtypes each is seen through
@@ -322,7 +379,7 @@ class Tape:
     @property
     def kept_bytes(self) -> int:
         """Device memory the tape keeps between calls (its scratch; outputs are made per replay)."""
-        return sum(s.nbytes() for s in self.kept.values())
+        return sum(b.numel() for b in self.kept)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -367,9 +424,8 @@ class Tape:
         a launch the tape missed leaves poison or stale values behind. ``exact``: bit for bit (the
         call is deterministic), else within 1e-2 of the largest magnitude (atomics reorder sums).
         None where they agree, else what differs. Syncs the host once."""
-        for s in self.kept.values():
-            if s.device == self.device:  # (host tables of a CUDA call are not rewritten by a replay)
-                torch.empty(0, dtype=torch.uint8, device=self.device).set_(s).fill_(255)
+        for b in self.kept:
+            b.fill_(255)
         got, _ = _flatten(self.replay(inputs, poison=True))
         want, _ = _flatten(expected)
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
