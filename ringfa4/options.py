@@ -87,7 +87,7 @@ class RingOptions:
     cuda_graphs: bool = False
     metadata_check: str = "every_call"
     launch_tapes: str = "auto"
-    launch_tape_mib: int = 1024
+    launch_tape_mib: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("fp32_partials", "fp32_grads", "epilogue_merge", "cuda_graphs"):

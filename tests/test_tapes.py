@@ -197,3 +197,25 @@ def test_the_tapes_memory_is_their_scratch():
 def test_bad_tape_options_are_refused(field, value):
     with pytest.raises(ValueError, match=f"RingOptions.{field}"):
         RingOptions(**{field: value})
+
+
+def test_empty_tensors_are_made_per_replay():
+    def with_empties(q):
+        none = q.new_empty((0, 3))
+        return [q[:0] * 2, none + 1, q * 2]
+    q = torch.randn(4, 3)
+    _, out, tape = _record(with_empties, [q])
+    assert tape.verify([q], out, exact=True) is None
+    got = tape.replay([torch.ones(4, 3)])
+    assert [tuple(t.shape) for t in got] == [(0, 3), (0, 3), (4, 3)] and torch.equal(got[2], torch.full((4, 3), 2.0))
+
+
+def test_casts_and_reductions_replay_as_one_op_each():
+    """A cast is a copy into the recorded result, a reduction its out= form: no op runs and is then
+    copied (one launch each on a GPU, as untaped)."""
+    def casts(a):
+        return [a.to(torch.bfloat16), a.float().sum(0), torch.cat([a, a])]
+    a = torch.randn(4, 3, dtype=torch.float64)
+    _, out, tape = _record(casts, [a])
+    assert len(tape) == 4 and all(e.results is None for e in tape.entries)
+    assert tape.verify([a], out, exact=True) is None

@@ -62,6 +62,7 @@ def test_a_replay_launches_the_untaped_calls_kernels_and_equals_it(P, h, hk):
     assert taped.tapes.recorded == 2 and taped.tape_memory() > 0
     replayed = _kernels(lambda: _run(taped, q, k, v, do, **kw))
     untaped = _kernels(lambda: _run(plain, q, k, v, do, **kw))
+    assert sum(untaped.values()) > 0  # the profiler saw the kernels
     assert replayed == untaped, (replayed - untaped, untaped - replayed)
 
 

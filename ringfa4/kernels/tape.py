@@ -66,7 +66,7 @@ def recording() -> bool:
 class _Slot:
     """A tensor rebuilt per replay: from input ``src`` (``kind`` "in") or fresh output storage
     ``src`` ("out"), at ``byte_offset`` from its start (inputs: from the input's first element),
-    with ``shape``, ``stride`` and ``dtype``."""
+    or a new empty tensor ("new"), with ``shape``, ``stride`` and ``dtype``."""
 
     __slots__ = ("kind", "src", "byte_offset", "shape", "stride", "dtype")
 
@@ -142,8 +142,8 @@ class Recorder(TorchDispatchMode):
     # -- recording ---------------------------------------------------------------------------------
     def _own(self, t: torch.Tensor) -> None:
         """``t``'s storage was allocated by the call (a new allocation at its address)."""
-        if t.device.type != self.device.type:  # host tensors of a CUDA call: kept as they are
-            return
+        if t.device.type != self.device.type or t.untyped_storage().nbytes() == 0:  # host tensors of a CUDA
+            return  # call: kept as they are; empty ones: made per replay (_ref)
         s = t.untyped_storage()
         key = (s.data_ptr(), len(self.sizes))
         self.allocs[key[0]] = (key[1], s.nbytes())
@@ -155,6 +155,8 @@ class Recorder(TorchDispatchMode):
             off = t.storage_offset() * t.element_size() - base.storage_offset() * base.element_size()
             return _Ref("in", self.derived[t], off, t)
         s = t.untyped_storage()
+        if s.nbytes() == 0 and t.device.type == self.device.type:  # no memory: a new empty one each replay
+            return _Ref("new", None, 0, t)
         got = self.allocs.get(s.data_ptr())
         if got is not None and s.nbytes() <= got[1]:
             return _Ref("mem", (s.data_ptr(), got[0]), t.storage_offset() * t.element_size(), t)
@@ -227,6 +229,10 @@ class Recorder(TorchDispatchMode):
             return out
         for t in results:
             self._own(t)
+        if func is aten._to_copy.default and len(args) == 1 and not kwargs.get("pin_memory"):
+            # a cast or a device copy: copy_ into the result (the out= form takes other arguments)
+            self._entry(aten.copy_.default, (out, args[0]), {"non_blocking": bool(kwargs.get("non_blocking"))}, None)
+            return out
         out_op = _out_form(func, len(results))
         if out_op is None:
             self._entry(func, args, kwargs, results)
@@ -266,8 +272,8 @@ class Recorder(TorchDispatchMode):
             key = (r.kind, r.where, r.offset, r.shape, r.stride, r.dtype)
             if key not in slot_of:
                 slot_of[key] = len(slots)
-                src, off = (r.where, r.offset) if r.kind == "in" else (fresh[r.where], r.offset)
-                slots.append(_Slot(r.kind if r.kind == "in" else "out", src, off, r.shape, r.stride, r.dtype))
+                src = r.where if r.kind == "in" else fresh[r.where] if r.kind == "mem" else None
+                slots.append(_Slot({"mem": "out"}.get(r.kind, r.kind), src, r.offset, r.shape, r.stride, r.dtype))
             return slot_of[key], None
 
         entries = [_Entry.make(fn, args, kwargs, results, resolve, self.start_stream)
@@ -304,16 +310,19 @@ class _Arenas:
 class _Entry:
     """One recorded call: ``fn`` with its arguments, the slots patched in per replay."""
 
-    __slots__ = ("fn", "args", "kwargs", "patches", "results", "bound")
+    __slots__ = ("fn", "args", "kwargs", "patches", "results", "bound", "top")
 
     @staticmethod
     def make(fn, args, kwargs, results, resolve, start_stream) -> _Entry:
         e = _Entry()
-        e.fn, e.patches = fn, []
+        e.fn, e.patches = getattr(fn, "_op", fn), []  # an aten op's C++ callable (OpOverload's own call: ~1 us)
         e.args = [e._arg(a, ("a", i), resolve, start_stream) for i, a in enumerate(args)]
         e.kwargs = {k: e._arg(a, ("k", k), resolve, start_stream) for k, a in kwargs.items()}
         e.results = None if results is None else [resolve(r) for r in results]
-        e.bound = functools.partial(fn, *e.args, **e.kwargs) if not e.patches else None
+        e.bound = functools.partial(e.fn, *e.args, **e.kwargs) if not e.patches else None
+        # the common patched entry: tensors in top-level positions only
+        e.top = [(key, s) for (side, key), j, s in e.patches] if all(
+            side == "a" and j is None for (side, _), j, _ in e.patches) else None
         return e
 
     def _arg(self, a, where, resolve, start_stream):
@@ -344,6 +353,11 @@ class _Entry:
     def run(self, views: list, stream) -> None:
         if self.bound is not None:
             out = self.bound()
+        elif self.top is not None:
+            args = self.args[:]
+            for i, s in self.top:
+                args[i] = stream if s is _STREAM else views[s]
+            out = self.fn(*args, **self.kwargs)
         else:
             args, kwargs = list(self.args), dict(self.kwargs)
             copied = set()
@@ -397,6 +411,9 @@ class Tape:
                 next(t for (j, _), t in typed.items() if j == i).view(torch.uint8).fill_(255)
         views = []
         for s in self.slots:
+            if s.kind == "new":
+                views.append(torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=self.device))
+                continue
             if s.kind == "out":
                 base = typed[s.src, s.dtype]
                 views.append(base.as_strided(s.shape, s.stride, s.byte_offset // s.dtype.itemsize))
@@ -486,12 +503,14 @@ def _unflatten(leaves: list, spec) -> Any:
 
 
 def _out_form(func, n_results: int):
-    """The out= overload of functional ``func`` taking the same arguments, or None."""
-    out_op = getattr(func.overloadpacket, "out", None)
-    if out_op is None:
-        return None
-    schema = out_op._schema
-    ins = [a.name for a in schema.arguments if not a.is_out]
-    if ins != [a.name for a in func._schema.arguments] or sum(a.is_out for a in schema.arguments) != n_results:
-        return None
-    return out_op
+    """The out= overload of functional ``func`` taking the same arguments, names and types
+    (``add.out`` of ``add.Tensor``, ``sum.IntList_out`` of ``sum.dim_IntList``), or None."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        op = getattr(packet, name)
+        schema = op._schema
+        outs = sum(a.is_out for a in schema.arguments)
+        if outs == n_results and [(a.name, str(a.type)) for a in schema.arguments if not a.is_out] == want:
+            return op
+    return None
