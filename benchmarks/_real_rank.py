@@ -80,7 +80,8 @@ class _CopyWork:
 def _stub_p2p(transport, blocking: bool):
     """``transport`` (this rank's P2PTransport) with its hops replaced by own-buffer copies on the
     communication stream, each handed to the error channel as a :class:`_CopyWork`."""
-    from ringfa4.parallel.transport import P2PTransport, _Handle, _pieces
+    from ringfa4.kernels.tape import launch
+    from ringfa4.parallel.transport import P2PTransport, _Handle, _pieces, _record
 
     class StubP2P(P2PTransport):
         def capture_blocker(self):  # GPU copies on the communication stream, as NCCL's hops would be
@@ -94,7 +95,7 @@ def _stub_p2p(transport, blocking: bool):
             def post():
                 for a, b in zip(_pieces(s), _pieces(r), strict=True):
                     b.copy_(a, non_blocking=True)
-                event.record(stream)
+                launch(_record, event, stream)  # (a launch tape's entry: ringfa4.kernels.tape)
             self.on_stream(stream, device, post)
             return _Handle(works=[_CopyWork(event)], event=((self.rank - offset) % self.world_size,
                                                              (self.rank + offset) % self.world_size, None, None))

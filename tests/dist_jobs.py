@@ -428,3 +428,47 @@ def graphs_real_rank():
         time.sleep(0.05)
     return {**res, "replays_watched": sum(watched), "in_flight": streams.in_flight(),
             "failure": None if streams.failure is None else str(streams.failure)}
+
+
+def tapes_real_rank(mode, h_kv):
+    """Launch tapes on real ranks (gloo, ``launch_tapes="on"``): three calls of one shape (the
+    second recorded, the third replayed: hops posted and waited, watched, as entries) against the
+    same ranks untaped, bit for bit; ``mode``: "dense" (the ring), or a pack's mode ("ring",
+    "allgather": its exchange). Returns whether all agree, the tapes recorded and the replays made."""
+    from ringfa4.kernels.tape import Tape
+
+    world = dist.get_world_size()
+    results, cps, replays = {}, {}, []
+    real = Tape.replay
+    Tape.replay = lambda self, *a, **kw: (replays.append(1), real(self, *a, **kw))[1]
+    try:
+        _tapes_real_rank(mode, h_kv, world, results, cps)
+    finally:
+        Tape.replay = real
+    same = all(torch.equal(a, b) for got, want in zip(results["on"], results["off"]) for a, b in zip(got, want))
+    return {"same": same, "recorded": cps["on"].tapes.recorded, "off_untaped": cps["off"].tapes is None,
+            "replays": len(replays)}
+
+
+def _tapes_real_rank(mode, h_kv, world, results, cps):
+    from helpers import random_cu_seqlens
+
+    for tapes in ("on", "off"):
+        cp = cps[tapes] = ringfa4.ContextParallel(backend="reference",
+                                                  options=ringfa4.RingOptions(launch_tapes=tapes))
+        pack = None if mode == "dense" else cp.pack(random_cu_seqlens([40, 3, 0, 77, 9, 25][:world + 3]), mode)
+        res = []
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            if pack is None:
+                q, k, v, do = (torch.randn(1, 24 * world, n, 8, generator=g) for n in (4, h_kv, h_kv, 4))
+                ql, kl, vl, dol = (cp.shard(t, 1).clone() for t in (q, k, v, do))
+            else:
+                T = sum([40, 3, 0, 77, 9, 25][:world + 3])
+                q, k, v, do = (torch.randn(T, n, 8, generator=g) for n in (4, h_kv, h_kv, 4))
+                ql, kl, vl, dol = (pack.shard(t).clone() for t in (q, k, v, do))
+            ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+            out, lse = ringfa4.attention(ql, kl, vl, cp=cp, packing=pack, return_lse=True, causal=True)
+            out.backward(dol)
+            res.append([out.detach(), lse, ql.grad, kl.grad, vl.grad])
+        results[tapes] = res

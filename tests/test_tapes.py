@@ -219,3 +219,14 @@ def test_casts_and_reductions_replay_as_one_op_each():
     _, out, tape = _record(casts, [a])
     assert len(tape) == 4 and all(e.results is None for e in tape.entries)
     assert tape.verify([a], out, exact=True) is None
+
+
+@pytest.mark.parametrize("world,mode,h_kv", [(2, "dense", 2), (3, "dense", 1), (2, "ring", 2), (3, "allgather", 2)])
+def test_real_ranks_replay_their_hops_and_equal_untaped_calls(pools, world, mode, h_kv):
+    """gloo ranks: a hop's post and its watched wait are tape entries, so a replay posts, waits and
+    unstages as an untaped call does: the results are the same bits on every rank."""
+    for status, res in pools(world).run("tapes_real_rank", mode, h_kv, timeout=300):
+        assert status == "ok", res
+        assert res["same"] and res["off_untaped"]
+        assert res["recorded"] == 2  # the forward and the backward, at their second call
+        assert res["replays"] == 2  # the third call's forward and backward (real ranks: no check replay)

@@ -112,9 +112,20 @@ class _Replayed:
         return self.event.query()
 
 
+class _Posted:
+    """The works one post made (a hop, an exchange): filled by the post, read by its wait. A launch
+    tape records the two as entries sharing one of these, so a replay waits for the works its own
+    post made."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works=()) -> None:
+        self.works = list(works)
+
+
 class _Handle:
     def __init__(self, works=None, event=None, device: torch.device | None = None, join=None):
-        self.works = works or []
+        self.works = works if isinstance(works, _Posted) else _Posted(works or [])
         self.event = event
         self.device = device
         self.join = join  # captured: an event after the hop on the communication stream (see P2PTransport.shift)
@@ -127,7 +138,8 @@ class Pending:
 
     def __init__(self, works=(), what: str = "", event=None, device: torch.device | None = None,
                  unstage=None) -> None:
-        self.works, self.what, self.event, self.device, self.unstage = list(works), what, event, device, unstage
+        self.works = works if isinstance(works, _Posted) else _Posted(works)
+        self.what, self.event, self.device, self.unstage = what, event, device, unstage
 
 
 Moves = list[list[tuple[int, torch.Tensor]]]  # per local rank: (peer rank, tensor), in order
@@ -184,6 +196,12 @@ class Transport:
         """Why a ring call over this transport cannot be recorded in a launch tape
         (:mod:`.ring.tapes`), or None."""
         return "this transport does not say that its hops can be taped"
+
+    def tape_self_check(self) -> bool:
+        """Whether a new tape may be checked by replaying it once (:meth:`~ringfa4.kernels.tape.Tape.verify`):
+        only where its hops pair with nobody else's (a real rank's extra hops would need every peer
+        to replay too)."""
+        return False
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -266,6 +284,10 @@ class LoopbackTransport(Transport):
     def tape_blocker(self) -> str | None:
         """Copies and stream operations: always taped."""
         return None
+
+    def tape_self_check(self) -> bool:
+        """Every rank is in this process: a check's replay moves its own buffers only."""
+        return True
 
     def shift(self, send, recv, offset):
         n = len(send)
@@ -373,9 +395,15 @@ class P2PTransport(Transport):
         later group could reuse) and this rank's place in it."""
         return (self.group, self.rank, self.world_size)
 
+    TAPED_NCCL = False  # NCCL hops in tapes: built (the gloo path's tests cover the same entries); no GPU run yet
+
     def tape_blocker(self) -> str | None:
-        """A real rank's hops post NCCL (or gloo) work and watch its waits on the host: not taped."""
-        return "a real rank's hops are not taped (the simulated executor's are)"
+        """A hop's post and its watched wait are tape entries (:meth:`_post_p2p`, :meth:`_wait_posted`:
+        a replay posts and waits as eager does, through the error channel). Over NCCL not yet:
+        ``TAPED_NCCL`` turns on once a GPU run showed its replays (gloo's run in the CPU tests)."""
+        if self.gloo or self.TAPED_NCCL:
+            return None
+        return "a real rank's NCCL hops are not taped yet (gloo's and the simulated executor's are)"
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted
@@ -399,38 +427,58 @@ class P2PTransport(Transport):
         (s,), (r,) = send, recv
         to = (self.rank + offset) % self.world_size
         frm = (self.rank - offset) % self.world_size
+        posted = _Posted()
         if self.gloo:
             flat = torch.cat([p.reshape(-1).view(torch.uint8) for p in _pieces(s)])
             out = torch.empty_like(flat)
             send_sizes, recv_sizes = [0] * self.world_size, [0] * self.world_size
             send_sizes[to] += flat.numel()
             recv_sizes[frm] += flat.numel()
-            work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=self.group, async_op=True)
-            return _Handle(works=[work], event=(frm, to, out, _pieces(r)))
-        ops = []
-        for a, b in zip(_pieces(s), _pieces(r), strict=True):
-            ops += [dist.P2POp(dist.isend, a, self._global(to), self.group),
-                    dist.P2POp(dist.irecv, b, self._global(frm), self.group)]
-        device = _pieces(s)[0].device
+            launch(self._post_a2a, posted, out, flat, recv_sizes, send_sizes)
+            return _Handle(works=posted, event=(frm, to, out, _pieces(r)))
+        sends, recvs = list(_pieces(s)), list(_pieces(r))
+        device = sends[0].device
         stream = self.comm_stream(device)
         if stream is None:
-            return _Handle(works=dist.batch_isend_irecv(ops), event=(frm, to, None, None))
-        works = []
+            launch(self._post_p2p, posted, sends, recvs, to, frm)
+            return _Handle(works=posted, event=(frm, to, None, None))
         join = torch.cuda.Event() if self.in_capture else None
 
         def post():
-            works.extend(dist.batch_isend_irecv(ops))
+            launch(self._post_p2p, posted, sends, recvs, to, frm)
             if join is not None:  # a capture must join back every stream it forked: the compute
-                join.record(stream)  # stream waits for this one too, not only for NCCL's own
+                launch(_record, join, stream)  # stream waits for this one too, not only for NCCL's own
         self.on_stream(stream, device, post)
-        return _Handle(works=works, event=(frm, to, None, None), device=device, join=join)
+        return _Handle(works=posted, event=(frm, to, None, None), device=device, join=join)
+
+    def _post_p2p(self, posted: _Posted, sends: list, recvs: list, to: int, frm: int) -> None:
+        """Piece j of ``sends`` to rank ``to``, of ``recvs`` from ``frm``: one NCCL batch."""
+        ops = []
+        for a, b in zip(sends, recvs, strict=True):
+            ops += [dist.P2POp(dist.isend, a, self._global(to), self.group),
+                    dist.P2POp(dist.irecv, b, self._global(frm), self.group)]
+        posted.works = dist.batch_isend_irecv(ops)
+
+    def _post_a2a(self, posted: _Posted, out: torch.Tensor, flat: torch.Tensor, recv_sizes: list,
+                  send_sizes: list) -> None:
+        posted.works = [dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=self.group, async_op=True)]
+
+    def _post_pairs(self, posted: _Posted, sends: list, to: list, recvs: list, frm: list) -> None:
+        """``sends[i]`` to rank ``to[i]``, ``recvs[i]`` from ``frm[i]``: one NCCL batch (none if empty)."""
+        ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for t, d in zip(sends, to)]
+        ops += [dist.P2POp(dist.irecv, t, self._global(f), self.group) for t, f in zip(recvs, frm)]
+        posted.works = dist.batch_isend_irecv(ops) if ops else []
+
+    def _wait_posted(self, posted: _Posted, what: str, peers: list[int] | None) -> None:
+        """Every work of ``posted`` waited (watched by the error channel, under the current call)."""
+        for work in posted.works:
+            self._wait(work, what, peers)
 
     def wait(self, handle):
         frm, to, staged, pieces = handle.event
-        for work in handle.works:
-            self._wait(work, "a ring hop", sorted({frm, to}))
+        launch(self._wait_posted, handle.works, "a ring hop", sorted({frm, to}))
         if handle.join is not None:
-            self.current_stream(handle.device).wait_event(handle.join)
+            launch(_wait_event, self.current_stream(handle.device), handle.join)
         if staged is not None:  # gloo: the bytes into the receive pieces
             at = 0
             for piece in pieces:
@@ -452,31 +500,32 @@ class P2PTransport(Transport):
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=self.group)
             self._warm = True
         local = [(d, s) for _, _, d, s in _matched([out], [[(s, t) for s, t in got if s == me]], [me])]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self._global(dst), self.group) for dst, t in out if dst != me]
-        ops += [dist.P2POp(dist.irecv, t, self._global(src), self.group) for src, t in got if src != me]
-        if not ops and not local:
+        sent = [(dst, t.contiguous()) for dst, t in out if dst != me]
+        taken = [(src, t) for src, t in got if src != me]
+        if not sent and not taken and not local:
             return Pending(what=what)
         device = (out or got)[0][1].device
-        stream, works = self.comm_stream(device), []
+        stream, posted = self.comm_stream(device), _Posted()
 
         def post():  # the NCCL batch first: its stream waits only for what this stream queued before it, so
-            if ops:  # the local copies queued after run beside the transfers (disjoint receive slots)
-                works.extend(dist.batch_isend_irecv(ops))
+            if sent or taken:  # the local copies queued after run beside the transfers (disjoint receive slots)
+                launch(self._post_pairs, posted, [t for _, t in sent], [d for d, _ in sent], [t for _, t in taken],
+                       [f for f, _ in taken])
             if local:  # one multi-tensor copy, as the loopback's per rank
                 torch._foreach_copy_([d for d, _ in local], [s for _, s in local], non_blocking=True)
         if stream is None:
             post()
-            return Pending(works, what)
+            return Pending(posted, what)
         event = torch.cuda.Event()
 
         def post_then_mark():
             post()
-            event.record(stream)
+            launch(_record, event, stream)
         self.on_stream(stream, device, post_then_mark)
         for dst, src in local:
             dst.record_stream(stream)
             src.record_stream(stream)
-        return Pending(works, what, event=event, device=device)
+        return Pending(posted, what, event=event, device=device)
 
     def _move_gloo(self, out, got, what: str) -> Pending:
         def to_bytes(t):
@@ -488,7 +537,8 @@ class P2PTransport(Transport):
         sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in by_dst]
         recv_sizes = [sum(t.numel() * t.element_size() for s, t in got if s == j) for j in range(self.world_size)]
         staged = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=flat.device)
-        work = dist.all_to_all_single(staged, flat, recv_sizes, sizes, group=self.group, async_op=True)
+        posted = _Posted()
+        launch(self._post_a2a, posted, staged, flat, recv_sizes, sizes)
         order = sorted(range(len(got)), key=lambda i: got[i][0])  # stable: each source's receives in order
 
         def unstage():
@@ -498,12 +548,11 @@ class P2PTransport(Transport):
                 n = t.numel() * t.element_size()
                 t.copy_(staged[at:at + n].clone().view(t.dtype).view(t.shape))
                 at += n
-        return Pending([work], what, unstage=unstage)
+        return Pending(posted, what, unstage=unstage)
 
     def finish(self, pending):
         """Each collective's wait watched by the error channel (a dead or failed rank ends it, named);
         NCCL's waits are stream-ordered once the work is done."""
-        for work in pending.works:
-            self._wait(work, pending.what, None)
-        pending.works = []
+        launch(self._wait_posted, pending.works, pending.what, None)
+        pending.works = _Posted()
         super().finish(pending)

@@ -19,11 +19,17 @@ schedules are kept, the least recently replayed going first.
 Recording is the call itself, run under the recorder; then the tape is checked once
 (:meth:`~ringfa4.kernels.tape.Tape.verify`: replayed on the same inputs with its scratch and
 outputs poisoned, compared with the call's outputs; bit for bit where the call is deterministic),
-which costs one more call's GPU time and a host sync per key. A tape keeps its scratch between
+which costs one more call's GPU time and a host sync per key. Only where the transport allows it
+(:meth:`~ringfa4.parallel.transport.Transport.tape_self_check`: the loopback): a real rank's check
+would post hops its peers do not; the same executor and kernels are checked in the simulated
+executor, and on real ranks whether a rank replays or runs untaped, its hops are the same, so ranks
+need not agree on it. A tape keeps its scratch between
 calls (the K/V buffers, accumulators, the backward's state): ``RingOptions.launch_tape_mib`` caps
 it per key; a call over the cap stays eager. ``launch_tapes="auto"`` tapes CUDA calls whose
 backend says its launches are recorded (:meth:`~ringfa4.kernels.spec.BlockBackend.launches_taped`)
-and whose hops are (the simulated executor's loopback; a real rank's NCCL hops are not taped yet),
+and whose hops are (the simulated executor's loopback; a real rank's hops are posted and waited,
+watched, as entries: gloo's in the CPU tests, NCCL's once a GPU run showed them,
+``P2PTransport.TAPED_NCCL``),
 silently running the others eagerly; ``"on"`` tapes CPU calls too and says once why a call is not
 taped; ``"off"`` never tapes.
 """
@@ -89,7 +95,8 @@ class RingTapes(RingGraphs):
                run.transport.graph_key(), layout, tuple(len(lst) for lst in lists), _autocast_state(),
                torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         device = flat[0].device
-        if key not in self.captured and device.type == "cuda" and torch.cuda.get_sync_debug_mode() != 0:
+        if (key not in self.captured and run.transport.tape_self_check() and device.type == "cuda"
+                and torch.cuda.get_sync_debug_mode() != 0):
             return fn(run, *lists)  # recording checks the tape with a host sync: not while syncs are watched
         made: list = []
         with _on(device):
@@ -120,11 +127,12 @@ class RingTapes(RingGraphs):
         if tape.kept_bytes > self.max_bytes:
             self._say(f"the call keeps {tape.kept_bytes / 2**20:.0f} MiB of scratch, over launch_tape_mib")
             return None
-        exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
-        wrong = tape.verify(flat, outputs, exact)
-        if wrong is not None:
-            self._say(f"its check failed ({wrong}): a launch the tape did not record")
-            return None
+        if run.transport.tape_self_check():  # (a real rank's check would post hops its peers do not)
+            exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
+            wrong = tape.verify(flat, outputs, exact)
+            if wrong is not None:
+                self._say(f"its check failed ({wrong}): a launch the tape did not record")
+                return None
         self.key_bytes[key] = tape.kept_bytes
         self.recorded += 1
         return tape
