@@ -21,7 +21,10 @@ runs in autograd's device thread (the rest of the backward's share is the engine
 and with ``--profile`` the functions where one call's host time goes (cProfile, own and cumulative time,
 top 50; ``inside_backward``: the same inside the autograd thread's ring backward). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
-``--graphs`` adds rows with ``RingOptions(cuda_graphs=True)`` (host time of a replay, its
+Modes: ``eager`` is the defaults (since session 34 a key's calls after its second replay a launch
+tape: ``RingOptions.launch_tapes``; ``tape_mib``: what the tapes keep), ``untaped`` the same with
+``launch_tapes="off"`` (the executor's Python on every call). ``--graphs`` adds rows with
+``RingOptions(cuda_graphs=True)`` (host time of a replay, its
 efficiency, ``graph_mib``: the graphs' memory). ``--real-rank`` adds ``"path": "real-rank"`` rows (one
 set per ``--metadata-check`` value): P spawned gloo ranks on this GPU, each a distributed
 ``ContextParallel`` with stub hops, so a rank pays what a real one pays on the host (its metadata check

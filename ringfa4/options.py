@@ -62,8 +62,9 @@ class RingOptions:
         (CUDA calls whose backend and hops are recorded: the simulated executor; a real rank's hops
         are not yet), ``"on"`` (CPU calls too; says once why a call is not taped) or ``"off"``.
         Ignored where ``cuda_graphs`` captures the call.
-    launch_tape_mib: the most scratch (MiB) one call key's tape keeps between calls (its K/V
-        buffers, accumulators, backward state); a call over it runs untaped (>= 0).
+    launch_tape_mib: the most scratch (MiB) the tapes of one ``ContextParallel`` keep between calls
+        together (K/V buffers, accumulators, backward state; the least recently replayed go first); a
+        call whose own scratch is over it runs untaped (>= 0).
     metadata_check: when the ranks of a distributed group compare a call's metadata (one small gloo
         all-gather on the control group, a few hundred us of host time): ``"every_call"`` (a bad
         input on any rank is the same ValueError on every rank before any data moves), or

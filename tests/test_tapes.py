@@ -230,3 +230,34 @@ def test_real_ranks_replay_their_hops_and_equal_untaped_calls(pools, world, mode
         assert res["same"] and res["off_untaped"]
         assert res["recorded"] == 2  # the forward and the backward, at their second call
         assert res["replays"] == 2  # the third call's forward and backward (real ranks: no check replay)
+
+
+def test_transports_say_whether_their_hops_are_taped_and_checked():
+    import datetime
+
+    from ringfa4.parallel.transport import LoopbackTransport, P2PTransport, Transport
+
+    assert LoopbackTransport().tape_blocker() is None and LoopbackTransport().tape_self_check()
+    assert "does not say" in Transport().tape_blocker() and not Transport().tape_self_check()  # opt in
+    nccl = P2PTransport(None, 1, 2, datetime.timedelta(seconds=5))  # no gloo group: NCCL's path
+    assert "NCCL" in nccl.tape_blocker() and not nccl.tape_self_check()  # a check's hops would have no peer
+    nccl.gloo = True
+    assert nccl.tape_blocker() is None
+
+
+def test_tapes_keep_at_most_the_cap_together_dropping_the_least_recently_replayed():
+    cp = ContextParallel.simulated(2, backend="reference", options=RingOptions(launch_tapes="on"))
+    plain = ContextParallel.simulated(2, backend="reference", options=RingOptions(launch_tapes="off"))
+    for seed in range(3):  # length A: recorded at its second call
+        _fwd_bwd(cp, *_qkv(32, 2, 2, seed), seed, causal=True)
+    a_keys = set(cp.tapes.order)
+    cp.tapes.max_bytes = cp.tape_memory() + 1  # room for A's two tapes only
+    for seed in range(3):  # length B: its tapes push A's out
+        got = _fwd_bwd(cp, *_qkv(48, 2, 2, seed), seed, causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, _fwd_bwd(plain, *_qkv(48, 2, 2, seed), seed, causal=True)))
+    assert cp.tape_memory() <= cp.tapes.max_bytes and not a_keys & set(cp.tapes.order)
+    assert cp.tapes.recorded == 4
+    for seed in range(3):  # A again: recorded again at its second call, exact
+        got = _fwd_bwd(cp, *_qkv(32, 2, 2, seed), seed, causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, _fwd_bwd(plain, *_qkv(32, 2, 2, seed), seed, causal=True)))
+    assert cp.tapes.recorded >= 5 and cp.tape_memory() <= cp.tapes.max_bytes

@@ -23,20 +23,25 @@ which costs one more call's GPU time and a host sync per key. Only where the tra
 (:meth:`~ringfa4.parallel.transport.Transport.tape_self_check`: the loopback): a real rank's check
 would post hops its peers do not; the same executor and kernels are checked in the simulated
 executor, and on real ranks whether a rank replays or runs untaped, its hops are the same, so ranks
-need not agree on it. A tape keeps its scratch between
-calls (the K/V buffers, accumulators, the backward's state): ``RingOptions.launch_tape_mib`` caps
-it per key; a call over the cap stays eager. ``launch_tapes="auto"`` tapes CUDA calls whose
-backend says its launches are recorded (:meth:`~ringfa4.kernels.spec.BlockBackend.launches_taped`)
-and whose hops are (the simulated executor's loopback; a real rank's hops are posted and waited,
-watched, as entries: gloo's in the CPU tests, NCCL's once a GPU run showed them,
-``P2PTransport.TAPED_NCCL``),
-silently running the others eagerly; ``"on"`` tapes CPU calls too and says once why a call is not
+need not agree on it.
+
+A tape keeps its scratch between calls (the K/V buffers, accumulators, the backward's state):
+``RingOptions.launch_tape_mib`` caps what all tapes of a ``ContextParallel`` keep together (the least
+recently replayed go first, and are recorded again when their key comes back); a call whose own
+scratch is over the cap stays untaped.
+
+``launch_tapes="auto"`` tapes CUDA calls whose backend says its launches are recorded
+(:meth:`~ringfa4.kernels.spec.BlockBackend.launches_taped`) and whose hops are (the simulated
+executor's loopback; a real rank's hops are posted and waited, watched, as entries: gloo's in the
+CPU tests, NCCL's once a GPU run showed them, ``P2PTransport.TAPED_NCCL``), silently running the
+others untaped; ``"on"`` tapes CPU calls too and says once why a call is not
 taped; ``"off"`` never tapes.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import torch
 
@@ -49,13 +54,14 @@ __all__ = ["RingTapes"]
 
 class RingTapes(RingGraphs):
     """The taped ring calls of one ``ContextParallel`` (see the module doc). ``mode``: the
-    option's value ("auto" | "on"); ``max_bytes``: the most scratch one key's tape may keep."""
+    option's value ("auto" | "on"); ``max_bytes``: the most scratch all its tapes keep together."""
 
     def __init__(self, mode: str, max_bytes: int, pack_graphs: int = 8, pack_memory: int = 256,
                  dense_graphs: int = 8) -> None:
         super().__init__(pack_graphs, pack_memory, dense_graphs)
         self.mode, self.max_bytes = mode, max_bytes
         self.recorded = 0  # tapes made (tests, benchmarks)
+        self.order: OrderedDict[tuple, None] = OrderedDict()  # kept tapes' keys, least recently replayed first
 
     def _say(self, reason: str) -> None:
         if self.mode == "on" and reason not in self.said:
@@ -108,6 +114,7 @@ class RingTapes(RingGraphs):
                 return made[0]
             if tape is None:
                 return fn(run, *lists)
+            self.order.move_to_end(key)
             return tape.replay(flat)
 
     def _record(self, fn, run: RingRun, lists: tuple[list[torch.Tensor], ...], key: tuple, made: list
@@ -127,6 +134,10 @@ class RingTapes(RingGraphs):
         if tape.kept_bytes > self.max_bytes:
             self._say(f"the call keeps {tape.kept_bytes / 2**20:.0f} MiB of scratch, over launch_tape_mib")
             return None
+        while self.order and self.memory_bytes() + tape.kept_bytes > self.max_bytes:  # the least recently
+            gone, _ = self.order.popitem(last=False)  # replayed tapes make room (recorded again when they come back)
+            self.captured.pop(gone, None)
+            self.key_bytes.pop(gone, None)
         if run.transport.tape_self_check():  # (a real rank's check would post hops its peers do not)
             exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
             wrong = tape.verify(flat, outputs, exact)
@@ -134,5 +145,6 @@ class RingTapes(RingGraphs):
                 self._say(f"its check failed ({wrong}): a launch the tape did not record")
                 return None
         self.key_bytes[key] = tape.kept_bytes
+        self.order[key] = None
         self.recorded += 1
         return tape
