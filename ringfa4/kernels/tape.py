@@ -242,24 +242,32 @@ class Recorder(TorchDispatchMode):
         return out
 
     # -- the tape ----------------------------------------------------------------------------------
-    def tape(self, inputs: Sequence[torch.Tensor], outputs: Any) -> Tape | None:
-        """The tape of what was recorded, for calls whose inputs are laid out as ``inputs`` and
-        whose outputs (any nesting of lists / tuples of tensors) are made as ``outputs`` were;
-        None (with :attr:`refused` set) where it cannot be replayed."""
+    def finish(self, outputs: Any) -> int | None:
+        """After the call, with its ``outputs`` (any nesting of lists / tuples of tensors): the bytes
+        of scratch a tape of it keeps (:meth:`tape` allocates them), or None (:attr:`refused` says
+        why) where it cannot be replayed."""
         if self.refused is not None:
             return None
-        out_leaves, out_spec = _flatten(outputs)
-        fresh: dict[tuple[int, int], int] = {}  # an output's storage (data_ptr, allocation) -> index
-        fresh_bytes: list[int] = []
-        out_refs = [self._ref(t) for t in out_leaves]
-        for r in out_refs:
+        out_leaves, self.out_spec = _flatten(outputs)
+        self.fresh: dict[tuple[int, int], int] = {}  # an output's storage (data_ptr, allocation) -> index
+        self.fresh_bytes: list[int] = []
+        self.out_refs = [self._ref(t) for t in out_leaves]
+        for r in self.out_refs:
             if r.kind == "ext":
                 self.refuse("an output lives in memory the call did not allocate")
                 return None
-            if r.kind == "mem" and r.where not in fresh:
-                fresh[r.where] = len(fresh_bytes)
-                fresh_bytes.append(self.sizes[r.where])
-        arenas = _Arenas([(w[0], n) for w, n in self.sizes.items() if w not in fresh], self.device)
+            if r.kind == "mem" and r.where not in self.fresh:
+                self.fresh[r.where] = len(self.fresh_bytes)
+                self.fresh_bytes.append(self.sizes[r.where])
+        named = {r.where for e in self.entries for r in _leaves(e[1:]) if isinstance(r, _Ref) and r.kind == "mem"}
+        self.ranges = _merged([(w[0], self.sizes[w]) for w in named if w not in self.fresh])
+        return sum(b - a for a, b in self.ranges)
+
+    def tape(self) -> Tape:
+        """The tape of what was recorded (after :meth:`finish`), for calls whose inputs are laid out
+        as the recording's and whose outputs are made as its were."""
+        fresh, out_refs = self.fresh, self.out_refs
+        arenas = _Arenas(self.ranges, self.device)
         slots: list[_Slot] = []
         slot_of: dict[tuple, int] = {}
 
@@ -279,23 +287,28 @@ class Recorder(TorchDispatchMode):
         entries = [_Entry.make(fn, args, kwargs, results, resolve, self.start_stream)
                    for fn, args, kwargs, results in self.entries]
         outs = [resolve(r)[0] for r in out_refs]
-        return Tape(entries, slots, fresh_bytes, (outs, out_spec), arenas.buffers, self.device)
+        return Tape(entries, slots, self.fresh_bytes, (outs, self.out_spec), arenas.buffers, self.device)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The address ranges ``(data_ptr, nbytes)`` as ``[start, end)`` spans, overlapping ones merged
+    (memory the allocator handed out again within the call)."""
+    merged: list[list[int]] = []
+    for start, n in sorted(r for r in ranges if r[1] > 0):
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], start + n)
+        else:
+            merged.append([start, start + n])
+    return [(a, b) for a, b in merged]
 
 
 class _Arenas:
-    """Memory for the call's scratch as the call laid it out: the address ranges its allocations
-    took (``ranges``: (data_ptr, nbytes)), overlapping ones merged (the allocator reused them), one
-    buffer per merged range; a tensor at an address maps to the same offset in its range's buffer."""
+    """Memory for the call's scratch as the call laid it out: one buffer per span of
+    :func:`_merged`; a tensor at an address maps to the same offset in its span's buffer."""
 
-    def __init__(self, ranges: list[tuple[int, int]], device: torch.device) -> None:
-        merged: list[list[int]] = []
-        for start, n in sorted(r for r in ranges if r[1] > 0):
-            if merged and start < merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], start + n)
-            else:
-                merged.append([start, start + n])
-        self.starts = [a for a, _ in merged]
-        self.buffers = [torch.empty(b - a, dtype=torch.uint8, device=device) for a, b in merged]
+    def __init__(self, spans: list[tuple[int, int]], device: torch.device) -> None:
+        self.starts = [a for a, _ in spans]
+        self.buffers = [torch.empty(b - a, dtype=torch.uint8, device=device) for a, b in spans]
         self.typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def view(self, address: int, shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:

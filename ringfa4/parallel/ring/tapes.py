@@ -78,6 +78,8 @@ class RingTapes(RingGraphs):
             return "the call is itself being recorded or compiled"
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return "a CUDA graph capture is in progress"
+        if run.sinks is not None:  # (a parameter: a later call may bring another tensor)
+            return "sinks are not taped"
         blocker = run.transport.tape_blocker()
         if blocker is not None:
             return blocker
@@ -127,17 +129,18 @@ class RingTapes(RingGraphs):
         with recorder:
             outputs = fn(run, *lists)
         made.append(outputs)
-        tape = recorder.tape(flat, outputs)
-        if tape is None:
+        need = recorder.finish(outputs)
+        if need is None:
             self._say(f"not recordable ({recorder.refused})")
             return None
-        if tape.kept_bytes > self.max_bytes:
-            self._say(f"the call keeps {tape.kept_bytes / 2**20:.0f} MiB of scratch, over launch_tape_mib")
+        if need > self.max_bytes:  # (decided before its memory is taken: long chunks have a lot of scratch)
+            self._say(f"the call keeps {need / 2**20:.0f} MiB of scratch, over launch_tape_mib")
             return None
-        while self.order and self.memory_bytes() + tape.kept_bytes > self.max_bytes:  # the least recently
-            gone, _ = self.order.popitem(last=False)  # replayed tapes make room (recorded again when they come back)
+        while self.order and self.memory_bytes() + need > self.max_bytes:  # the least recently replayed
+            gone, _ = self.order.popitem(last=False)  # tapes make room (recorded again when they come back)
             self.captured.pop(gone, None)
             self.key_bytes.pop(gone, None)
+        tape = recorder.tape()
         if run.transport.tape_self_check():  # (a real rank's check would post hops its peers do not)
             exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
             wrong = tape.verify(flat, outputs, exact)
