@@ -50,6 +50,11 @@ class NullBackend:
     def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes):
         return _null_merge
 
+    def launches_taped(self, device: torch.device) -> bool:
+        """No: its kernels launch nothing, so a launch tape would replay only the executor's copies
+        (and its outputs, never written, could not pass a tape's check)."""
+        return False
+
 
 def _null_merge(q, k, v, out_acc, planes) -> None:
     pass
