@@ -3,8 +3,8 @@ issued it (``RingOptions.launch_tapes``; :mod:`ringfa4.parallel.ring.tapes` says
 
 Recording runs the call itself under a ``TorchDispatchMode``. Every aten op that writes (in-place
 ops, out= ops, copies) becomes an entry; a functional op becomes its out= form writing into the
-tensor the recording produced (or the op and a copy into it, where it has no out= form); views
-and allocations are no entries (their tensors are kept). Device work the dispatcher does not see
+tensor the recording produced (a cast: ``copy_`` into it; an op without an out= form: the op and a
+copy into it); views and allocations are no entries. Device work the dispatcher does not see
 (compiled CuTe DSL and Triton kernels, FA4's helpers, stream and event operations) goes through
 :func:`launch`, which records it as one entry and nothing that runs inside it. A launch site that
 does not is caught by :meth:`Tape.verify`.
@@ -15,9 +15,12 @@ The tensors an entry names are of three kinds:
   shape, strides and offset from the input; the caller keys a tape on the inputs' layouts and
   alignment);
 * in the storage of an output: each replay allocates fresh storage and rebuilds them in it, so
-  a replay's outputs are its own;
-* anything else (scratch the recording allocated, a backend's tables): kept by the tape and
-  reused by every replay (:attr:`Tape.kept_bytes`).
+  a replay's outputs are its own (an empty tensor: made new each replay);
+* other memory the call allocated (its scratch): the recorder holds none of it, so the allocator
+  reuses it within the call as untaped; the tape lays it out as the call used it (the address
+  ranges it took, overlapping ones merged, one buffer each: about the call's peak) and every
+  replay reuses that (:attr:`Tape.kept_bytes`);
+* memory from before the call (a backend's tables, a schedule's metadata): kept as it is.
 
 The stream current when recording starts is a slot too: a replay's stream operations use the
 stream current at the replay. A replay issues the entries in order: the same kernels on the same
@@ -399,6 +402,7 @@ class Tape:
                  kept: list[torch.Tensor], device: torch.device) -> None:
         self.entries, self.slots, self.fresh_bytes, self.outs = entries, slots, fresh_bytes, outs
         self.kept, self.device = kept, device
+        self.stream_seen: tuple | None = None  # (raw stream, its torch.cuda.Stream)
         # fresh storages typed per dtype once a replay: which dtypes each is seen through
         self.fresh_dtypes = [sorted({s.dtype for s in slots if s.kind == "out" and s.src == i}, key=str)
                              for i in range(len(fresh_bytes))]
@@ -442,11 +446,20 @@ class Tape:
         """The recorded call on ``inputs`` (laid out as the recording's): its outputs, fresh.
         ``poison``: the fresh outputs start as all-ones bytes (NaN) (:meth:`verify`)."""
         views = self._views(inputs, poison)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        stream = self._current_stream() if self.device.type == "cuda" else None
         for e in self.entries:
             e.run(views, stream)
         leaves, spec = self.outs
         return _unflatten([views[s] for s in leaves], spec)
+
+    def _current_stream(self):
+        """``torch.cuda.current_stream`` of the tape's device, its Python object kept while the raw
+        stream stays the same (making one costs tens of microseconds of host time)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        if self.stream_seen is None or self.stream_seen[0] != raw:
+            self.stream_seen = (raw, torch.cuda.current_stream(index))
+        return self.stream_seen[1]
 
     def verify(self, inputs: Sequence[torch.Tensor], expected: Any, exact: bool) -> str | None:
         """Replay on the recording's own ``inputs`` with every kept scratch and the fresh outputs
