@@ -9,7 +9,10 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
    reduce-added in place into kv-head groups, two dK/dV hops a step) out / lse bit-identical and
    the gradients equal up to the order of fp32 atomics.
    With ``RingOptions(cuda_graphs=True)`` (NCCL hops captured): three calls (the first captures)
-   bit-identical to eager with the deterministic backward, and every call captured.
+   bit-identical to eager with the deterministic backward, and every call captured. With launch
+   tapes (``launch_tapes="on"``, NCCL's gate forced open): three calls (the second records, the
+   third replays) bit-identical to untaped ones (``tapes_check``; ``P2PTransport.TAPED_NCCL`` is
+   turned on once it passes).
 2. Weak scaling at 16k and 32k tokens per GPU (h=32, d=128, bf16, causal): efficiency =
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
@@ -95,6 +98,49 @@ def check_graphs(be, rank, P):
     ok = torch.tensor([int(good)], device="cuda", dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return {"S": S, "h": 8, "d": 128, "rank": rank, **res, "graph_mib": graphed.graph_memory() / 2**20,
+            "all_ranks_ok": bool(ok.item())}
+
+
+def check_tapes(be, rank, P):
+    """Real ranks' launch tapes over NCCL (``P2PTransport.TAPED_NCCL`` forced on for this check; it
+    gates ``launch_tapes="auto"`` until this passes): a ``launch_tapes="on"`` group against an untaped
+    one, three calls of new inputs (the second records, the third replays: NCCL posts and watched
+    waits as tape entries), bit-identical with the deterministic backward on every rank, both keys
+    recorded and replayed."""
+    import warnings
+
+    from ringfa4.kernels.tape import Tape
+    from ringfa4.parallel.transport import P2PTransport
+
+    S, h, d = 2 * P * 2048, 8, 128
+    gate, P2PTransport.TAPED_NCCL = P2PTransport.TAPED_NCCL, True
+    replays, real = [], Tape.replay
+    Tape.replay = lambda self, *a, **kw: (replays.append(1), real(self, *a, **kw))[1]
+    try:
+        cps = [ringfa4.ContextParallel(layout="zigzag", backend=be, options=ringfa4.RingOptions(launch_tapes=t))
+               for t in ("off", "on")]
+        same, said = [], []
+        for seed in range(3):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+            results = []
+            for cp in cps:
+                ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
+                    out.backward(cp.shard(do).contiguous())
+                said += [str(w.message) for w in caught if "launch_tapes" in str(w.message)]
+                results.append([out.detach(), lse, ql.grad, kl.grad, vl.grad])
+            same.append([torch.equal(a, b) for a, b in zip(*results)])
+        torch.cuda.synchronize()
+    finally:
+        P2PTransport.TAPED_NCCL, Tape.replay = gate, real
+    good = all(all(x) for x in same) and cps[1].tapes.recorded == 2 and len(replays) == 2 and not said
+    ok = torch.tensor([int(good)], device="cuda", dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return {"S": S, "h": h, "d": d, "rank": rank, "same": same, "recorded": cps[1].tapes.recorded,
+            "replays": len(replays), "said": said, "tape_mib": cps[1].tape_memory() / 2**20,
             "all_ranks_ok": bool(ok.item())}
 
 
@@ -205,6 +251,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "P": P, "backend": be.name}
     report["check"] = [check_against_simulated(cp, be, rank, P, det) for det in (True, False)]
     report["graphs_check"] = check_graphs(be, rank, P)
+    report["tapes_check"] = check_tapes(be, rank, P)
     report["weak_scaling"] = [weak_scaling(cp, be, P, int(s)) for s in args.per_gpu.split(",")]
     report["packed"] = [packed_modes(cp, be, P, mix) for mix in args.packed.split(",") if mix]
     if rank == 0:
@@ -213,6 +260,7 @@ def main() -> None:
             json.dump(report, f, indent=1)
         print(json.dumps(report["check"]))
         print(json.dumps(report["graphs_check"]))
+        print(json.dumps(report["tapes_check"]))
         print(f"\nweak scaling on {P} x {report['device']}, causal, h=32, d=128, bf16 ({be.name} blocks)")
         print("| S/GPU | one GPU fwd / fwd+bwd ms | ringfa4 fwd / fwd+bwd ms | eff | torch CP+cuDNN ms | eff |")
         print("|---|---|---|---|---|---|")
