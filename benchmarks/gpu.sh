@@ -27,7 +27,8 @@
 #             transformers and ringfa4 in one call (~6 min); PART 256k: 32 layers at 256k (~6 min)
 #   recipe    PART dry (default): hf_llama8b.py (ringfa4 vs sdpa on the Llama-3.1-8B shape) and the recipes'
 #             dry runs; PART run: llama3_8b_1xh200.toml for 4 steps, one 32k document a step (~8 min)
-#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one and its CUDA graphs against eager, weak
+#   nccl      (kind nvidia-h200-x2) the NCCL ring against the simulated one, its CUDA graphs and its launch tapes
+#             (tapes_check: then set P2PTransport.TAPED_NCCL) against eager, weak
 #             scaling against PyTorch's
 #             context_parallel + cuDNN, and two packed mixes by ring hops / the all-gather mode's exchange in one
 #             and two pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
