@@ -193,8 +193,9 @@ class Recorder(TorchDispatchMode):
         if self.inside:
             return out
         results = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+        given = {a.untyped_storage().data_ptr() for a in _leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in results:
-            if t not in self.derived and t.untyped_storage().data_ptr() not in self.allocs:
+            if t not in self.derived and t.untyped_storage().data_ptr() not in given:
                 self._own(t)  # made inside the call (aliases of its arguments stay what they were)
         self._entry(fn, args, kwargs, results or None)
         if fn is torch.cuda.set_stream:
