@@ -3,13 +3,19 @@
 accumulating backward answers as FA4 on sm90 does (fp32 block outputs, the merge in the kernel, an
 AccumBackward with a layout of its own, so the ring takes FA4's paths: the epilogue merge, the
 in-place head-group backward), and returns its buffers untouched. Outputs are meaningless; never a
-backend for results."""
+backend for results.
+
+Its kernels go through :func:`ringfa4.kernels.tape.launch` (a no-op, one entry of a launch tape each,
+as FA4's launches are), and the forward zeroes the outputs it is given (so the ring's results are
+fixed values and a tape of it passes its check): ``executor_floor.py``'s taped rows replay what an
+FA4 ring's tape replays, less the kernels' own launch cost."""
 
 from __future__ import annotations
 
 import torch
 
 from ringfa4.kernels.spec import AttnSpec
+from ringfa4.kernels.tape import launch
 
 __all__ = ["NullBackend"]
 
@@ -27,6 +33,7 @@ class NullBackend:
         if lse is None:
             lse = q.new_empty((q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1]),
                               dtype=torch.float32)
+        launch(_null_forward, q, k, v, out, lse)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, spec: AttnSpec):
@@ -45,19 +52,28 @@ class NullBackend:
         return q.dim() == 4
 
     def forward_merge(self, q, k, v, spec: AttnSpec, out_acc, planes):
+        launch(_null_merge, q, k, v, out_acc, planes)
         return planes
 
     def merge_replay(self, q, k, v, spec: AttnSpec, out_acc, planes):
-        return _null_merge
+        return _null_merge_launch
 
     def launches_taped(self, device: torch.device) -> bool:
-        """No: its kernels launch nothing, so a launch tape would replay only the executor's copies
-        (and its outputs, never written, could not pass a tape's check)."""
-        return False
+        """Its no-op kernels go through ``launch``."""
+        return True
+
+
+def _null_forward(q, k, v, out, lse) -> None:
+    out.zero_()
+    lse.zero_()
 
 
 def _null_merge(q, k, v, out_acc, planes) -> None:
     pass
+
+
+def _null_merge_launch(q, k, v, out_acc, planes) -> None:
+    launch(_null_merge, q, k, v, out_acc, planes)
 
 
 class _NullLayout:
@@ -84,8 +100,12 @@ class _NullLayout:
         dv.copy_(buf[self.half:].view(self.shape)[:, :rows])
 
 
-def _null_replay(state, k, v, dk_acc, dv_acc) -> None:
+def _null_block(k, v, dk_acc, dv_acc) -> None:
     pass
+
+
+def _null_replay(state, k, v, dk_acc, dv_acc) -> None:
+    launch(_null_block, k, v, dk_acc, dv_acc)
 
 
 class _NullAccum:
@@ -95,7 +115,7 @@ class _NullAccum:
         self.q, self.dout = q, dout
 
     def add_block(self, q0, q1, k, v, spec, dk_acc, dv_acc) -> None:
-        pass
+        launch(_null_block, k, v, dk_acc, dv_acc)
 
     def replay(self, q0, q1, k, v, spec, dk_acc, dv_acc):
         return _null_replay

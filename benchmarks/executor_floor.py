@@ -8,11 +8,12 @@ host-cost regression check that needs no GPU.
     python3 benchmarks/executor_floor.py --worlds 4,8 --out bench_results/executor_floor.json
 
 Per world size and pass (fwd, fwd+bwd), at the executor level (each rank's ring on its shards) and
-the API level (``ringfa4.attention`` with autograd): host us per rank-step (median over ``--reps``
-calls, and the minimum) and Python function calls per rank-step (cProfile, one call: a count that
-does not depend on the machine). Shapes: ``--tokens`` a rank (default 256), h = 8 / kv 2, d = 16,
-bf16, causal zigzag; and one packed mix (``--packed`` tokens of 128-2048-token documents, the
-default placement), whose rows are per rank and call.
+the API level (``ringfa4.attention`` with autograd; untaped, and with ``launch_tapes="on"``: from the
+third call a replay of the recorded launches, the null kernels' no-op launches included): host us per
+rank-step (median over ``--reps`` calls, and the minimum) and Python function calls per rank-step
+(cProfile, one call: a count that does not depend on the machine). Shapes: ``--tokens`` a rank
+(default 256), h = 8 / kv 2, d = 16, bf16, causal zigzag; and one packed mix (``--packed`` tokens of
+128-2048-token documents, the default placement), whose rows are per rank and call.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from _common import cp_step, executor_step
 from _null_backend import NullBackend
 
 import ringfa4
-from ringfa4 import AttnSpec
+from ringfa4 import AttnSpec, RingOptions
 from ringfa4.parallel.ring.run import active_steps
 
 H, HK, D = 8, 2, 16
@@ -57,12 +58,14 @@ def floor_rows(P: int, tokens: int, reps: int) -> list[dict]:
     """Rows of one world size: executor and API level, fwd and fwd+bwd."""
     g = torch.Generator().manual_seed(P)
     q, k, v, do = (torch.randn(1, tokens * P, n, D, generator=g).to(torch.bfloat16) for n in (H, HK, HK, H))
-    cp = ringfa4.ContextParallel.simulated(P, backend=NullBackend())
+    cp = ringfa4.ContextParallel.simulated(P, backend=NullBackend(), options=RingOptions(launch_tapes="off"))
+    taped = ringfa4.ContextParallel.simulated(P, backend=NullBackend(), options=RingOptions(launch_tapes="on"))
     spec = AttnSpec(causal=True)
     rank_steps = P * active_steps(cp.run(q, spec).schedule)
     rows = []
     for backward in (False, True):
-        for level, fn in (("executor", executor_step(cp, spec, backward)), ("api", cp_step(cp, backward))):
+        for level, fn in (("executor", executor_step(cp, spec, backward)), ("api", cp_step(cp, backward)),
+                          ("api, taped", cp_step(taped, backward))):
             call = lambda fn=fn: fn(q, k, v, do)  # noqa: E731
             for _ in range(3):
                 call()

@@ -385,9 +385,12 @@ def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
     from ringfa4.parallel.ring.kv_side import grad_sink
 
     rows = executor_floor.floor_rows(4, 128, reps=2)
-    assert [(r["pass"], r["level"]) for r in rows] == [("fwd", "executor"), ("fwd", "api"), ("fwd+bwd", "executor"),
-                                                       ("fwd+bwd", "api")]
+    assert [(r["pass"], r["level"]) for r in rows] == [(p, lvl) for p in ("fwd", "fwd+bwd")
+                                                       for lvl in ("executor", "api", "api, taped")]
     assert all(r["us_per_rank_step"] > 0 and r["python_calls_per_rank_step"] > 0 for r in rows)
+    calls = {(r["pass"], r["level"]): r["python_calls_per_rank_step"] for r in rows}
+    for p in ("fwd", "fwd+bwd"):  # a replay runs the launches, not the executor's Python
+        assert calls[p, "api, taped"] < 0.7 * calls[p, "api"], calls
     cp = ringfa4.ContextParallel.simulated(4, backend=NullBackend())
     q, k, v = (torch.randn(1, 512, n, 16).to(torch.bfloat16) for n in (8, 2, 2))
     run = cp.run(q, AttnSpec(causal=True))
