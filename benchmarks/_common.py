@@ -221,29 +221,37 @@ def calls_alone(cp, spec, be, backward, cache: dict | None = None):
     return run
 
 
-def graphs_against_eager(eager, graphed, S: int, seeds: int = 3, h: int = 8, d: int = 128) -> dict:
-    """``graphed`` (a ``RingOptions(cuda_graphs=True)`` group) against ``eager`` (the same group
-    eager), distributed: ``seeds`` calls of new bf16 inputs (``S`` tokens, ``h`` heads of ``d``; the
-    first call captures, the others replay), forward and backward with the deterministic block
-    backward. Returns per call whether out, lse, dq, dk, dv are bit-identical (``same``), the
-    cuda_graphs warnings of calls that fell back (``fell_back``) and whether both keys were
-    captured (``captured``)."""
+def bits_against(plain, other, S: int, said_of: str, seeds: int = 3, h: int = 8, d: int = 128
+                 ) -> tuple[list[list[bool]], list[str]]:
+    """Group ``other`` against ``plain`` (the same ranks, another RingOptions), distributed: ``seeds``
+    calls of new bf16 inputs (``S`` tokens, ``h`` heads of ``d``), forward and backward with the
+    deterministic block backward. Per call whether out, lse, dq, dk, dv are bit-identical, and the
+    warnings that mention ``said_of`` (a mode that fell back says so)."""
     import warnings
 
-    same, fell_back = [], []
+    same, said = [], []
     for seed in range(seeds):
         g = torch.Generator(device="cuda").manual_seed(seed)
         q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         results = []
-        for cp in (eager, graphed):
+        for cp in (plain, other):
             ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
                 out.backward(cp.shard(do).contiguous())
-            fell_back += [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
+            said += [str(w.message) for w in caught if said_of in str(w.message)]
             results.append([out.detach(), lse, ql.grad, kl.grad, vl.grad])
         same.append([torch.equal(a, b) for a, b in zip(*results)])
+    return same, said
+
+
+def graphs_against_eager(eager, graphed, S: int, seeds: int = 3, h: int = 8, d: int = 128) -> dict:
+    """``graphed`` (a ``RingOptions(cuda_graphs=True)`` group) against ``eager`` (:func:`bits_against`;
+    the first call captures, the others replay). Returns per call whether out, lse, dq, dk, dv are
+    bit-identical (``same``), the cuda_graphs warnings of calls that fell back (``fell_back``) and
+    whether both keys were captured (``captured``)."""
+    same, fell_back = bits_against(eager, graphed, S, "cuda_graphs", seeds, h, d)
     keys = graphed.graphs.captured if graphed.graphs is not None else {}
     captured = len(keys) == 2 and all(keys.values())
     return {"same": same, "fell_back": fell_back, "captured": captured}

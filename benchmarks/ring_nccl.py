@@ -31,7 +31,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from _common import cp_step, full_call, graphs_against_eager
+from _common import bits_against, cp_step, full_call, graphs_against_eager
 
 import ringfa4
 from ringfa4.kernels import AttnSpec, get_backend, resolve
@@ -107,8 +107,6 @@ def check_tapes(be, rank, P):
     one, three calls of new inputs (the second records, the third replays: NCCL posts and watched
     waits as tape entries), bit-identical with the deterministic backward on every rank, both keys
     recorded and replayed."""
-    import warnings
-
     from ringfa4.kernels.tape import Tape
     from ringfa4.parallel.transport import P2PTransport
 
@@ -119,20 +117,7 @@ def check_tapes(be, rank, P):
     try:
         cps = [ringfa4.ContextParallel(layout="zigzag", backend=be, options=ringfa4.RingOptions(launch_tapes=t))
                for t in ("off", "on")]
-        same, said = [], []
-        for seed in range(3):
-            g = torch.Generator(device="cuda").manual_seed(seed)
-            q, k, v, do = (torch.randn(1, S, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-            results = []
-            for cp in cps:
-                ql, kl, vl = (cp.shard(t).detach().clone().requires_grad_() for t in (q, k, v))
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    out, lse = ringfa4.attention(ql, kl, vl, cp=cp, causal=True, return_lse=True, deterministic=True)
-                    out.backward(cp.shard(do).contiguous())
-                said += [str(w.message) for w in caught if "launch_tapes" in str(w.message)]
-                results.append([out.detach(), lse, ql.grad, kl.grad, vl.grad])
-            same.append([torch.equal(a, b) for a, b in zip(*results)])
+        same, said = bits_against(*cps, S, "launch_tapes", h=h, d=d)
         torch.cuda.synchronize()
     finally:
         P2PTransport.TAPED_NCCL, Tape.replay = gate, real

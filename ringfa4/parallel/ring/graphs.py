@@ -103,11 +103,13 @@ class RingGraphs:
         reserved in the shared pool for later captures)."""
         return sum(self.key_bytes.values())
 
+    option, instead = "cuda_graphs", "eagerly"  # what the warnings name
+
     def _say(self, reason: str) -> None:
         if reason not in self.said:
             self.said.add(reason)
-            warnings.warn(f"ringfa4: RingOptions.cuda_graphs: {reason}; this call runs eagerly", UserWarning,
-                          stacklevel=4)
+            warnings.warn(f"ringfa4: RingOptions.{self.option}: {reason}; this call runs {self.instead}",
+                          UserWarning, stacklevel=4)
 
     def why_not(self, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> str | None:
         """Why this call cannot be captured, or None."""
@@ -123,6 +125,17 @@ class RingGraphs:
             return "a capture is already in progress"
         return None
 
+    def key(self, fn: Callable, run: RingRun, lists: tuple[list[torch.Tensor], ...], flat: list[torch.Tensor]
+            ) -> tuple:
+        """What a recorded call of ``fn`` over ``run`` on ``lists`` (``flat``: their tensors) depends on
+        (see the module doc)."""
+        return (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
+                run.transport.graph_key(), self.layout(flat), tuple(len(lst) for lst in lists), _autocast_state())
+
+    def layout(self, flat: list[torch.Tensor]) -> tuple:
+        """The shape, strides, dtype and device of every input (a capture copies them into its own)."""
+        return tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat)
+
     def call(self, fn: Callable, run: RingRun, *lists: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
         """``fn(run, *lists)`` (a ring forward or backward on per-rank tensor lists), replayed from
         its graph where it can be, else eagerly."""
@@ -131,9 +144,7 @@ class RingGraphs:
             self._say(reason)
             return fn(run, *lists)
         flat = _flat(lists)
-        key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
-               run.transport.graph_key(), tuple((t.shape, t.stride(), t.dtype, t.device) for t in flat),
-               tuple(len(lst) for lst in lists), _autocast_state())
+        key = self.key(fn, run, lists, flat)
         device = flat[0].device
         with _on(device):
             cap = self.entry(key, run, lambda: self._capture(fn, run, lists, key))

@@ -40,13 +40,12 @@ taped; ``"off"`` never tapes.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 
 import torch
 
 from ...kernels.tape import Recorder, Tape, recording
-from .graphs import RingGraphs, _autocast_state, _flat, _on
+from .graphs import RingGraphs, _flat, _on
 from .run import RingRun
 
 __all__ = ["RingTapes"]
@@ -63,11 +62,11 @@ class RingTapes(RingGraphs):
         self.recorded = 0  # tapes made (tests, benchmarks)
         self.order: OrderedDict[tuple, None] = OrderedDict()  # kept tapes' keys, least recently replayed first
 
+    option, instead = "launch_tapes", "untaped"
+
     def _say(self, reason: str) -> None:
-        if self.mode == "on" and reason not in self.said:
-            self.said.add(reason)
-            warnings.warn(f"ringfa4: RingOptions.launch_tapes: {reason}; this call runs untaped", UserWarning,
-                          stacklevel=4)
+        if self.mode == "on":  # ("auto" says nothing)
+            super()._say(reason)
 
     def why_not(self, run: RingRun, lists: tuple[list[torch.Tensor], ...]) -> str | None:
         """Why this call is not taped, or None."""
@@ -87,6 +86,14 @@ class RingTapes(RingGraphs):
             return f"backend {run.backend.name!r} does not record its launches on {device}"
         return None
 
+    def layout(self, flat: list[torch.Tensor]) -> tuple:
+        """A graph's input layout plus each input's alignment (on CUDA: kernels assume it; a replay reads
+        the inputs where they are) and which inputs share storage (a replay rebuilds views per input)."""
+        first_of: dict[int, int] = {}
+        align = 128 if flat[0].device.type == "cuda" else 1
+        return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % align,
+                      first_of.setdefault(t.untyped_storage().data_ptr(), i)) for i, t in enumerate(flat))
+
     def call(self, fn, run: RingRun, *lists: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
         """``fn(run, *lists)`` (a ring forward or backward on per-rank tensor lists), replayed from
         its tape where it can be, else run (recording it at its key's sighting)."""
@@ -95,13 +102,7 @@ class RingTapes(RingGraphs):
             self._say(reason)
             return fn(run, *lists)
         flat = _flat(lists)
-        first_of: dict[int, int] = {}
-        align = 128 if flat[0].device.type == "cuda" else 1  # (kernels assume alignments; torch on the CPU none)
-        layout = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % align,
-                        first_of.setdefault(t.untyped_storage().data_ptr(), i)) for i, t in enumerate(flat))
-        key = (fn, run.schedule.graph_key(), run.ranks, run.spec, run.options, id(run.backend),
-               run.transport.graph_key(), layout, tuple(len(lst) for lst in lists), _autocast_state(),
-               torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        key = self.key(fn, run, lists, flat) + (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         device = flat[0].device
         if (key not in self.captured and run.transport.tape_self_check() and device.type == "cuda"
                 and torch.cuda.get_sync_debug_mode() != 0):
@@ -142,7 +143,7 @@ class RingTapes(RingGraphs):
             self.key_bytes.pop(gone, None)
         tape = recorder.tape()
         if run.transport.tape_self_check():  # (a real rank's check would post hops its peers do not)
-            exact = device.type != "cuda" or run.spec.deterministic or fn.__name__ == "ring_forward"
+            exact = device.type != "cuda" or run.spec.deterministic or fn.__name__.endswith("_forward")  # (no atomics)
             wrong = tape.verify(flat, outputs, exact)
             if wrong is not None:
                 self._say(f"its check failed ({wrong}): a launch the tape did not record")
