@@ -221,6 +221,24 @@ def test_casts_and_reductions_replay_as_one_op_each():
     assert tape.verify([a], out, exact=True) is None
 
 
+def test_factories_that_fill_replay_as_that_fill():
+    """zeros / ones / full (and their _like / new_ forms) and arange replay as the fill they run on
+    their result (no factory run and copied: one launch each on a GPU, as untaped), on every replay."""
+    def factories(a):
+        z = torch.zeros_like(a).add_(a)
+        o = a.new_ones(a.shape[0]) * 2
+        f = torch.full((2, 3), -1.5, dtype=torch.float64) + torch.full_like(a[:2], 0.25)
+        r = torch.arange(5) + torch.arange(2, 7) + torch.arange(1, 11, 2) + torch.ones(5, dtype=torch.int64)
+        return [z, o, f, r, torch.zeros(3, dtype=torch.int32)]
+    a = torch.randn(4, 3, dtype=torch.float64)
+    _, out, tape = _record(factories, [a])
+    assert all(e.results is None for e in tape.entries)
+    assert {"aten.zero_.default", "aten.fill_.Scalar", "aten.arange.start_out"} <= {e.name for e in tape.entries}
+    assert tape.verify([a], out, exact=True) is None
+    b = torch.randn(4, 3, dtype=torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(tape.replay([b]), factories(b)))
+
+
 @pytest.mark.parametrize("world,mode,h_kv", [(2, "dense", 2), (3, "dense", 1), (2, "ring", 2), (3, "allgather", 2)])
 def test_real_ranks_replay_their_hops_and_equal_untaped_calls(pools, world, mode, h_kv):
     """gloo ranks: a hop's post and its watched wait are tape entries, so a replay posts, waits and

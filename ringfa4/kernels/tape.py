@@ -3,11 +3,12 @@ issued it (``RingOptions.launch_tapes``; :mod:`ringfa4.parallel.ring.tapes` says
 
 Recording runs the call itself under a ``TorchDispatchMode``. Every aten op that writes (in-place
 ops, out= ops, copies) becomes an entry; a functional op becomes its out= form writing into the
-tensor the recording produced (a cast: ``copy_`` into it; an op without an out= form: the op and a
-copy into it); views and allocations are no entries. Device work the dispatcher does not see
-(compiled CuTe DSL and Triton kernels, FA4's helpers, stream and event operations) goes through
-:func:`launch`, which records it as one entry and nothing that runs inside it. A launch site that
-does not is caught by :meth:`Tape.verify`.
+tensor the recording produced (a cast: ``copy_`` into it; a factory that fills, ``zeros_like``,
+``full`` or ``arange``: that fill of it; an op without an out= form: the op and a copy into it);
+views and allocations are no entries. Device work the dispatcher does not see (compiled CuTe DSL and
+Triton kernels, FA4's helpers, stream and event operations) goes through :func:`launch`, which
+records it as one entry and nothing that runs inside it. A launch site that does not is caught by
+:meth:`Tape.verify`.
 
 The tensors an entry names are of three kinds:
 
@@ -47,6 +48,13 @@ _local = threading.local()
 aten = torch.ops.aten
 _ALLOC = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
           aten.new_empty_strided.default, aten.empty_like.default}
+# factories that fill what they make: an in-place fill of the recording's result (their out= forms,
+# where they have one, take no dtype or device, so :func:`_out_form` finds none)
+_FILLS = {aten.zeros.default: 0, aten.zeros_like.default: 0, aten.new_zeros.default: 0, aten.ones.default: 1,
+          aten.ones_like.default: 1, aten.new_ones.default: 1, aten.full.default: "fill_value",
+          aten.full_like.default: "fill_value", aten.new_full.default: "fill_value"}
+_ARANGES = {aten.arange.default: ("end",), aten.arange.start: ("start", "end"),
+            aten.arange.start_step: ("start", "end", "step")}
 _NOT_WORK = {aten.record_stream.default}  # the tape keeps every tensor alive: nothing to tell the allocator
 
 
@@ -237,6 +245,9 @@ class Recorder(TorchDispatchMode):
             # a cast or a device copy: copy_ into the result (the out= form takes other arguments)
             self._entry(aten.copy_.default, (out, args[0]), {"non_blocking": bool(kwargs.get("non_blocking"))}, None)
             return out
+        if func in _FILLS or func in _ARANGES:
+            self._fill_entry(func, args, kwargs, out)
+            return out
         out_op = _out_form(func, len(results))
         if out_op is None:
             self._entry(func, args, kwargs, results)
@@ -244,6 +255,19 @@ class Recorder(TorchDispatchMode):
             names = [a.name for a in out_op._schema.arguments if a.is_out]
             self._entry(out_op, args, {**kwargs, **dict(zip(names, results))}, None)
         return out
+
+    def _fill_entry(self, func, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A factory's entry: ``zero_`` / ``fill_`` of (``arange``: ``arange.start_out`` into) its result,
+        the kernel the factory itself runs on it."""
+        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        if func in _ARANGES:
+            bounds = {"start": 0, "step": 1} | {n: named[n] for n in _ARANGES[func] if n in named}
+            self._entry(aten.arange.start_out, (bounds["start"], bounds["end"], bounds["step"]), {"out": out}, None)
+        elif _FILLS[func] == 0:
+            self._entry(aten.zero_.default, (out,), {}, None)
+        else:
+            value = named[_FILLS[func]] if isinstance(_FILLS[func], str) else _FILLS[func]
+            self._entry(aten.fill_.Scalar, (out, value), {}, None)
 
     # -- the tape ----------------------------------------------------------------------------------
     def finish(self, outputs: Any) -> int | None:
@@ -327,12 +351,13 @@ class _Arenas:
 class _Entry:
     """One recorded call: ``fn`` with its arguments, the slots patched in per replay."""
 
-    __slots__ = ("fn", "args", "kwargs", "patches", "results", "bound", "top")
+    __slots__ = ("fn", "name", "args", "kwargs", "patches", "results", "bound", "top")
 
     @staticmethod
     def make(fn, args, kwargs, results, resolve, start_stream) -> _Entry:
         e = _Entry()
         e.fn, e.patches = getattr(fn, "_op", fn), []  # an aten op's C++ callable (OpOverload's own call: ~1 us)
+        e.name = str(fn) if hasattr(fn, "_op") else getattr(fn, "__qualname__", repr(fn))  # (what ran: diagnostics)
         e.args = [e._arg(a, ("a", i), resolve, start_stream) for i, a in enumerate(args)]
         e.kwargs = {k: e._arg(a, ("k", k), resolve, start_stream) for k, a in kwargs.items()}
         e.results = None if results is None else [resolve(r) for r in results]

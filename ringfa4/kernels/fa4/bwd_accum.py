@@ -5,7 +5,7 @@ final lse. ``_flash_attn_bwd`` would run its preprocess (D = rowsum(dO * O), lse
 the fp32 ``dq_accum``) and its postprocess (fp32 accumulators -> bf16) on every step, and hand back
 bf16 block gradients. Here FA4's own compiled kernels are called directly:
 
-* :func:`prepare` runs FA4's preprocess (``interface._bwd_preprocess``) once over the whole local q;
+* :func:`prepare` runs FA4's preprocess (``interface._bwd_preprocess``'s kernel) once over the whole local q;
   the state holds ``dq_accum (b, h, s_q_r * d_r)``, ``dpsum`` / ``lse_log2 (b, h, s_q_r)`` float32
   in FA4's layout (``s_q_r``: s_q rounded up to tile_m; ``d_r``: d rounded up to 32, 64 with
   dKV_swapAB). ``dq_accum`` is FA4-internal: per tile_m rows one tile of tile_m * d_r floats in the
@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..tape import launch
-from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, supported
+from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, preprocess, supported
 from .launch import PlanCache, aligned, plain, signature
 
 __all__ = ["AccumKey", "BwdAccumState", "TileKVLayout", "accumulate", "accumulate_tiles", "add_kv_accum_",
@@ -150,7 +150,6 @@ def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
     arch = _arch()
     if not can_implement(arch, q.dtype, d):
         raise ValueError(f"fa4.bwd_accum cannot run sm{arch} {q.dtype} head_dim={d} (see can_implement)")
-    from flash_attn.cute import interface
     from flash_attn.cute.cute_dsl_utils import maybe_contiguous
     from flash_attn.cute.testing import is_fake_mode
 
@@ -162,9 +161,7 @@ def prepare(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
                           torch.empty(b, h, s_r * d_r, **f32), torch.empty(b, h, s_r, **f32),
                           torch.empty(b, h, s_r, **f32))
     if s_q and b:
-        launch(interface._bwd_preprocess, out, dout, state.dpsum, lse, state.lse_log2, state.dq_accum, None, None,
-                                  None, interface.torch2cute_dtype_map[q.dtype], d, d, p.tile_m,
-                                  fake_mode=is_fake_mode(), hdim_multiple_of=p.d_round)
+        preprocess(p, out, dout, (state.dpsum, state.lse_log2, state.dq_accum), lse, fake_mode=is_fake_mode())
     return state
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..tape import launch
 
-__all__ = ["BwdPlan", "make_kernel", "plan", "postprocess", "sm90_kernel", "sm90_plan", "supported"]
+__all__ = ["BwdPlan", "make_kernel", "plan", "postprocess", "preprocess", "sm90_kernel", "sm90_plan", "supported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -196,18 +196,62 @@ def make_kernel(p: BwdPlan, key: Any) -> Any:
                kv_subtile_factor=1, **_softcap_mods(key.softcap))
 
 
+_COMPILED: dict[tuple, Any] = {}  # ("pre" | "post", FA4's compile key) -> its compiled kernel
+
+
+def _compiled(which: str, key: tuple) -> Any:
+    """FA4's compiled pre- or postprocess for its own compile ``key``, from FA4's jit cache (compiled
+    there as FA4's entry points compile it), kept here so a call costs one dict lookup."""
+    got = _COMPILED.get((which, key))
+    if got is None:
+        from flash_attn.cute import interface
+
+        helper, build = ((interface._bwd_preprocess, interface._compile_bwd_preprocess) if which == "pre" else
+                         (interface._bwd_postprocess_convert, interface._compile_bwd_postprocess))
+        if key not in helper.compile_cache:
+            helper.compile_cache[key] = build(*key)
+        got = _COMPILED[which, key] = helper.compile_cache[key]
+    return got
+
+
+def preprocess(p: BwdPlan, out: torch.Tensor, dout: torch.Tensor, rows: tuple, lse: torch.Tensor, *,
+               fake_mode: bool, cu_seqlens: torch.Tensor | None = None,
+               cu_total_blocks: torch.Tensor | None = None) -> None:
+    """FA4's preprocess (``interface._bwd_preprocess``'s kernel, launched directly): ``rows = (dpsum,
+    lse_log2, dq_accum)`` fp32 <- rowsum(dO * O), ``lse`` in log2 units, zeros. Dense: ``out`` / ``dout``
+    ``(b, s, h, d)`` 16-bit, ``lse (b, h, s)``, rows ``(b, h, s_r)`` and ``(b, h, s_r * d_r)``; varlen:
+    ``(total, h, d)``, ``(h, total)``, rows padded per document, with int32 ``cu_seqlens`` and FA4's
+    tile cumsum ``cu_total_blocks`` at the plan's ``tile_m`` (required: FA4's own would make it)."""
+    from flash_attn.cute import interface
+
+    if cu_seqlens is not None and cu_total_blocks is None:
+        raise ValueError("preprocess: a varlen call needs cu_total_blocks (FA4's tile cumsum at tile_m)")
+    dpsum, lse_log2, dq_accum = rows
+    d = out.shape[-1]
+    key = (interface.torch2cute_dtype_map[out.dtype], d, d, p.tile_m, cu_seqlens is not None, False, False, True,
+           False, True, True, False, False, 1, 1, cu_total_blocks is not None, p.d_round, False)
+    kernel = _compiled("pre", key)
+    if not fake_mode:
+        launch(kernel, out, dout, dpsum, lse, lse_log2, dq_accum, cu_seqlens, None, None, None, None, 1.0,
+               cu_total_blocks, None)
+
+
 def postprocess(p: BwdPlan, kind: str, accum: torch.Tensor, out: torch.Tensor, scale: float, *,
                 fake_mode: bool, cu_seqlens: torch.Tensor | None = None,
                 cu_total_blocks: torch.Tensor | None = None) -> None:
-    """FA4's postprocess: ``out (b, rows, heads, d)`` 16-bit <- ``scale *`` the FA4-layout fp32
-    accumulator ``(b, heads, rows_r * d_r)``; ``kind`` "dq" (dQ) or "dkv" (dK / dV). Varlen: ``out
-    (total, heads, d)`` and ``accum (heads, total_pad * d_r)`` with int32 ``cu_seqlens`` (documents
-    padded as FA4's varlen backward pads them) and, always given so its compile key never flips with
-    the document count, FA4's tile cumsum ``cu_total_blocks`` at the plan's postprocess tile."""
+    """FA4's postprocess (``interface._bwd_postprocess_convert``'s kernel, launched directly): ``out (b,
+    rows, heads, d)`` 16-bit <- ``scale *`` the FA4-layout fp32 accumulator ``(b, heads, rows_r * d_r)``;
+    ``kind`` "dq" (dQ) or "dkv" (dK / dV). Varlen: ``out (total, heads, d)`` and ``accum (heads,
+    total_pad * d_r)`` with int32 ``cu_seqlens`` (documents padded as FA4's varlen backward pads them)
+    and, always given so its compile key never flips with the document count, FA4's tile cumsum
+    ``cu_total_blocks`` at the plan's postprocess tile (required)."""
     from flash_attn.cute import interface
 
+    if cu_seqlens is not None and cu_total_blocks is None:
+        raise ValueError("postprocess: a varlen call needs cu_total_blocks (FA4's tile cumsum)")
     tile, threads, atom, swap, use2, cluster, order = p.dq_post if kind == "dq" else p.dkv_post
-    launch(interface._bwd_postprocess_convert,
-        accum, out, scale, cu_seqlens, None, p.arch, interface.torch2cute_dtype_map[out.dtype], out.shape[-1], tile,
-        threads, atom, swap, use_2cta_instrs=use2, cluster_size=cluster, cu_total_m_blocks=cu_total_blocks,
-        fake_mode=fake_mode, hdim_multiple_of=p.d_round, accum_order=order)
+    key = (interface.torch2cute_dtype_map[out.dtype], out.shape[-1], tile, threads, atom, swap,
+           cu_seqlens is not None, False, use2, cluster, p.arch, cu_total_blocks is not None, None, p.d_round, order)
+    kernel = _compiled("post", key)
+    if not fake_mode:
+        launch(kernel, accum, out, scale, cu_seqlens, None, None, cu_total_blocks)

@@ -41,7 +41,7 @@ import torch
 from ..spec import AttnSpec, Written, check_grads
 from ..tape import launch
 from .bwd_accum import _CACHE, AccumKey, _arch, _tile_order
-from .bwd_plan import make_kernel, plan, postprocess, supported
+from .bwd_plan import make_kernel, plan, postprocess, preprocess, supported
 
 __all__ = ["accumulate_varlen", "can_implement", "padded_rows", "tile_cumsum"]
 
@@ -241,9 +241,8 @@ def accumulate_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     f32 = dict(dtype=torch.float32, device=q.device)
     dq_accum, dpsum, lse_log2 = torch.empty(h, pq * d_r, **f32), torch.empty(h, pq, **f32), torch.empty(h, pq, **f32)
     dk_accum, dv_accum = torch.zeros(h_kv, pk * d_r, **f32), torch.zeros(h_kv, pk * d_r, **f32)
-    launch(interface._bwd_preprocess, out, dout, dpsum, lse, lse_log2, dq_accum, cu[0], None, None,
-                              interface.torch2cute_dtype_map[q.dtype], d, d, tm,
-                              cu_total_m_blocks=tile_cumsum(cu[0], tm), fake_mode=fake, hdim_multiple_of=p.d_round)
+    preprocess(p, out, dout, (dpsum, lse_log2, dq_accum), lse, fake_mode=fake, cu_seqlens=cu[0],
+               cu_total_blocks=tile_cumsum(cu[0], tm))
     causal, local, wl, wr = interface._resolve_causal_local_window(spec.causal, wl, wr)
     softcap = float(spec.softcap) if spec.softcap else None
     key = AccumKey(arch=arch, dtype=q.dtype, head_dim=d, qhead_per_kvhead=h // h_kv, causal=causal, local=local,
