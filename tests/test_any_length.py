@@ -55,6 +55,12 @@ def test_shard_unshard_positions_every_length(P, layout):
             assert torch.equal(lay.positions(S, r), part.flatten()) and part.shape[1] == lay.rows(S, r)
         padded = [torch.nn.functional.pad(p, (0, 0, 0, lay.max_rows(S) - p.shape[1])) for p in parts]
         assert torch.equal(lay.unshard(padded, 1, S), x)  # all-gathered buffers padded to the largest rank
+        together = lay.split_all(x, 1)  # the simulated group's split: one gather, every rank's part a slice
+        assert len(together) == lay.world_size and all(p.is_contiguous() for p in together)
+        assert all(torch.equal(a, b) for a, b in zip(together, parts))
+        batch = torch.arange(2 * S).view(2, S, 1)  # a batch: a copy a rank
+        assert all(torch.equal(a, lay.shard(batch, 1, r)) and a.is_contiguous()
+                   for r, a in enumerate(lay.split_all(batch, 1)))
 
 
 def _case(P, layout, S, kw, ulysses=1, options=None, dtype=torch.float64, h_kv=2):

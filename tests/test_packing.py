@@ -380,3 +380,19 @@ def test_repeated_calls_on_a_pack_read_nothing_back_from_the_device(monkeypatch)
     ringfa4.attention(q, q, q, cp=cp, packing=pack, causal=True).sum().backward()
     assert not reads, reads
     assert not built, f"{len(built)} cu_seqlens rebuilt for a pack already used"
+
+
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_a_packs_split_all_is_every_ranks_shard_and_unshard_inverts_it(P):
+    """The simulated group's split (one gather, each rank's part a slice) equals the per-rank
+    shards; unshard (one scatter) puts padded parts back in global order; zero-length documents
+    and ranks that hold nothing included."""
+    lengths = [7, 0, 1, 19, 3, 0, 26, 2]
+    pack = Packing(random_cu_seqlens(lengths).tolist(), make_layout("zigzag", P, tile=2))
+    x = torch.arange(sum(lengths) * 3).view(-1, 3)
+    parts = pack.split_all(x, 0)
+    assert all(torch.equal(a, pack.shard(x, 0, r)) and a.is_contiguous() for r, a in enumerate(parts))
+    padded = [torch.cat([p, torch.full((pack.max_rows - p.shape[0], 3), -1)]) for p in parts]
+    assert torch.equal(pack.unshard(padded, 0), x)
+    with pytest.raises(ValueError, match="expected the pack's total"):
+        pack.split_all(x[1:], 0)

@@ -56,7 +56,8 @@ class SimulatedGroup:
         return x
 
     def split(self, placement, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
-        return [placement.shard(x, dim, r).contiguous() for r in range(self.world_size)]
+        """Every rank's part of the full ``x``, contiguous, in rank order (one gather)."""
+        return placement.split_all(x, dim)
 
     def join(self, placement, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         return placement.unshard(parts, dim)

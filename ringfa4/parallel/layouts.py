@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .memo import cached_method
+
 __all__ = ["ContiguousLayout", "HybridLayout", "Layout", "ZigzagLayout", "chunk_bounds", "make_layout"]
 
 
@@ -99,6 +101,26 @@ class Layout:
         if not segs:
             return x.narrow(dim, 0, 0)
         return torch.cat([x.narrow(dim, s, n) for s, n in segs], dim=dim)
+
+    @cached_method
+    def rank_order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+        """Every rank's global token indices, concatenated in rank order (int64 on ``device``; None
+        where that is the identity, a contiguous layout), and each rank's row count."""
+        segs = [self.segments(seq_len, r) for r in range(self.world_size)]
+        rows = tuple(sum(n for _, n in s) for s in segs)
+        flat = [seg for s in segs for seg in s]
+        if all(start == sum(n for _, n in flat[:i]) for i, (start, _) in enumerate(flat)):
+            return None, rows
+        return torch.cat([torch.arange(s, s + n) for s, n in flat]).to(device), rows
+
+    def split_all(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """Every rank's :meth:`shard` of the full ``x`` along ``dim``, contiguous, in rank order: one
+        gather (``index_select``; none for a contiguous layout) whose slices they are, where the dims
+        before ``dim`` are all 1; else one copy a rank."""
+        if x.shape[:dim].numel() != 1:
+            return [self.shard(x, dim, r).contiguous() for r in range(self.world_size)]
+        order, rows = self.rank_order(x.shape[dim], x.device)
+        return list((x if order is None else x.index_select(dim, order)).contiguous().split(rows, dim))
 
     def unshard(self, parts: list[torch.Tensor], dim: int, seq_len: int | None = None) -> torch.Tensor:
         """Inverse of :meth:`shard` given every rank's part (rank order); ``seq_len``: the parts

@@ -295,9 +295,27 @@ class Packing:
                              f"total {self.total}")
         return x.index_select(dim, self.indices(rank, x.device))
 
+    @cached_method
+    def rank_order(self, device) -> torch.Tensor:
+        """Every rank's global token indices (:meth:`indices`), concatenated in rank order."""
+        return torch.cat([self.indices(r, device) for r in range(self.world_size)])
+
+    def split_all(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """Every rank's :meth:`shard` of the whole pack ``x`` along ``dim``, in rank order: slices of
+        one gather (contiguous where the dims before ``dim`` are all 1, as a pack's are)."""
+        if x.shape[dim] != self.total:
+            raise ValueError(f"tensor to shard has {x.shape[dim]} tokens along dim {dim}, expected the pack's "
+                             f"total {self.total}")
+        gathered = x.index_select(dim, self.rank_order(x.device))
+        return list(gathered.split([self.rows(r) for r in range(self.world_size)], dim))
+
     def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-        """Inverse of :meth:`shard` given every rank's part (parts may be padded past their rows)."""
-        return _unshard(self, parts, dim)
+        """Inverse of :meth:`shard` given every rank's part (parts may be padded past their rows):
+        one scatter of their rows, concatenated."""
+        rows = torch.cat([p.narrow(dim, 0, self.rows(r)) for r, p in enumerate(parts)], dim)
+        shape = list(parts[0].shape)
+        shape[dim] = self.total
+        return parts[0].new_empty(shape).index_copy_(dim, self.rank_order(parts[0].device), rows)
 
     def work(self, rank: int, causal: bool = True) -> int:
         """(query, key) pairs of attention ``rank`` computes (load balance)."""
