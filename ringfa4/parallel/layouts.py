@@ -14,11 +14,10 @@ the largest); every rank computes the same bounds from ``seq_len``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
-
-from .memo import cached_method
 
 __all__ = ["ContiguousLayout", "HybridLayout", "Layout", "ZigzagLayout", "chunk_bounds", "make_layout"]
 
@@ -102,16 +101,11 @@ class Layout:
             return x.narrow(dim, 0, 0)
         return torch.cat([x.narrow(dim, s, n) for s, n in segs], dim=dim)
 
-    @cached_method
     def rank_order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, tuple[int, ...]]:
         """Every rank's global token indices, concatenated in rank order (int64 on ``device``; None
-        where that is the identity, a contiguous layout), and each rank's row count."""
-        segs = [self.segments(seq_len, r) for r in range(self.world_size)]
-        rows = tuple(sum(n for _, n in s) for s in segs)
-        flat = [seg for s in segs for seg in s]
-        if all(start == sum(n for _, n in flat[:i]) for i, (start, _) in enumerate(flat)):
-            return None, rows
-        return torch.cat([torch.arange(s, s + n) for s, n in flat]).to(device), rows
+        where that is the identity, a contiguous layout), and each rank's row count (the last 16
+        (layout, length, device) kept: lengths that change every batch do not pile up)."""
+        return _rank_order(self, seq_len, device)
 
     def split_all(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Every rank's :meth:`shard` of the full ``x`` along ``dim``, contiguous, in rank order: one
@@ -138,6 +132,16 @@ class Layout:
         if not pieces:
             return parts[0].narrow(dim, 0, 0)
         return torch.cat([pieces[s] for s in sorted(pieces)], dim=dim)
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_order(layout: Layout, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    segs = [layout.segments(seq_len, r) for r in range(layout.world_size)]
+    rows = tuple(sum(n for _, n in s) for s in segs)
+    flat = [seg for s in segs for seg in s]
+    if all(start == sum(n for _, n in flat[:i]) for i, (start, _) in enumerate(flat)):
+        return None, rows
+    return torch.cat([torch.arange(s, s + n) for s, n in flat]).to(device), rows
 
 
 @dataclass(frozen=True)
