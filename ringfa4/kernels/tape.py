@@ -77,7 +77,8 @@ def recording() -> bool:
 class _Slot:
     """A tensor rebuilt per replay: from input ``src`` (``kind`` "in") or fresh output storage
     ``src`` ("out"), at ``byte_offset`` from its start (inputs: from the input's first element),
-    or a new empty tensor ("new"), with ``shape``, ``stride`` and ``dtype``."""
+    or a new empty tensor ("new"), with ``shape``, ``stride`` and ``dtype``; or input ``src`` itself
+    ("input": a view of all of it, as laid out)."""
 
     __slots__ = ("kind", "src", "byte_offset", "shape", "stride", "dtype")
 
@@ -298,6 +299,7 @@ class Recorder(TorchDispatchMode):
         arenas = _Arenas(self.ranges, self.device)
         slots: list[_Slot] = []
         slot_of: dict[tuple, int] = {}
+        whole = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in self.inputs]
 
         def resolve(r: _Ref):
             """``r`` as (slot index, None) (rebuilt per replay) or (None, tensor) (kept)."""
@@ -309,7 +311,10 @@ class Recorder(TorchDispatchMode):
             if key not in slot_of:
                 slot_of[key] = len(slots)
                 src = r.where if r.kind == "in" else fresh[r.where] if r.kind == "mem" else None
-                slots.append(_Slot({"mem": "out"}.get(r.kind, r.kind), src, r.offset, r.shape, r.stride, r.dtype))
+                kind = {"mem": "out"}.get(r.kind, r.kind)
+                if kind == "in" and r.offset == 0 and (r.shape, r.stride, r.dtype) == whole[src]:
+                    kind = "input"  # the input itself (a replay's inputs are laid out as the recording's)
+                slots.append(_Slot(kind, src, r.offset, r.shape, r.stride, r.dtype))
             return slot_of[key], None
 
         entries = [_Entry.make(fn, args, kwargs, results, resolve, self.start_stream)
@@ -460,6 +465,9 @@ class Tape:
             if s.kind == "out":
                 base = typed[s.src, s.dtype]
                 views.append(base.as_strided(s.shape, s.stride, s.byte_offset // s.dtype.itemsize))
+                continue
+            if s.kind == "input":
+                views.append(inputs[s.src])
                 continue
             x = inputs[s.src]
             start = x.storage_offset() * x.element_size() + s.byte_offset

@@ -123,15 +123,22 @@ class Layout:
             raise ValueError(f"unshard needs {self.world_size} parts, got {len(parts)}")
         if seq_len is None:
             seq_len = self.seq_len_of([p.shape[dim] for p in parts])
-        pieces: dict[int, torch.Tensor] = {}
-        for rank, part in enumerate(parts):
-            offset = 0
-            for start, n in self.segments(seq_len, rank):
-                pieces[start] = part.narrow(dim, offset, n)
-                offset += n
-        if not pieces:
+        plan = _global_pieces(self, seq_len)
+        if not plan:
             return parts[0].narrow(dim, 0, 0)
-        return torch.cat([pieces[s] for s in sorted(pieces)], dim=dim)
+        return torch.cat([parts[rank].narrow(dim, offset, n) for rank, offset, n in plan], dim=dim)
+
+
+@functools.lru_cache(maxsize=16)
+def _global_pieces(layout: Layout, seq_len: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rank, local offset, length)`` of every non-empty chunk, in global order (:meth:`Layout.unshard`)."""
+    pieces = []
+    for rank in range(layout.world_size):
+        offset = 0
+        for start, n in layout.segments(seq_len, rank):
+            pieces.append((start, rank, offset, n))
+            offset += n
+    return tuple((rank, offset, n) for _, rank, offset, n in sorted(pieces))
 
 
 @functools.lru_cache(maxsize=16)
