@@ -151,7 +151,15 @@ class RingOptions:
             raise ValueError(f"{bad}: {exc}" if bad else str(exc)) from None
 
     def encode(self) -> list[int]:
-        """One int per field (the metadata check's vector; :meth:`decode_field` reads one back)."""
+        """One int per field (the metadata check's vector; :meth:`decode_field` reads one back),
+        computed once per options object (every distributed call encodes its options)."""
+        got = self.__dict__.get("_encoded")
+        if got is None:
+            got = tuple(self._encode())
+            object.__setattr__(self, "_encoded", got)  # (not a field: equality, hash and replace ignore it)
+        return list(got)
+
+    def _encode(self) -> list[int]:
         out = []
         for f in fields(self):
             x = getattr(self, f.name)
