@@ -394,5 +394,9 @@ def test_a_packs_split_all_is_every_ranks_shard_and_unshard_inverts_it(P):
     assert all(torch.equal(a, pack.shard(x, 0, r)) and a.is_contiguous() for r, a in enumerate(parts))
     padded = [torch.cat([p, torch.full((pack.max_rows - p.shape[0], 3), -1)]) for p in parts]
     assert torch.equal(pack.unshard(padded, 0), x)
+    lse = x.T.contiguous()  # (h, total): split along dim 1, each part contiguous
+    parts = pack.split_all(lse, 1)
+    assert all(torch.equal(a, pack.shard(lse, 1, r)) and a.is_contiguous() for r, a in enumerate(parts))
+    assert torch.equal(pack.unshard(parts, 1), lse)
     with pytest.raises(ValueError, match="expected the pack's total"):
         pack.split_all(x[1:], 0)

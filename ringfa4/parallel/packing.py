@@ -301,11 +301,14 @@ class Packing:
         return torch.cat([self.indices(r, device) for r in range(self.world_size)])
 
     def split_all(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
-        """Every rank's :meth:`shard` of the whole pack ``x`` along ``dim``, in rank order: slices of
-        one gather (contiguous where the dims before ``dim`` are all 1, as a pack's are)."""
+        """Every rank's :meth:`shard` of the whole pack ``x`` along ``dim``, contiguous, in rank order:
+        slices of one gather where the dims before ``dim`` are all 1 (q, k, v, out), else one gather a
+        rank (an lse ``(h, total)``)."""
         if x.shape[dim] != self.total:
             raise ValueError(f"tensor to shard has {x.shape[dim]} tokens along dim {dim}, expected the pack's "
                              f"total {self.total}")
+        if x.shape[:dim].numel() != 1:
+            return [self.shard(x, dim, r) for r in range(self.world_size)]
         gathered = x.index_select(dim, self.rank_order(x.device))
         return list(gathered.split([self.rows(r) for r in range(self.world_size)], dim))
 
