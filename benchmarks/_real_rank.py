@@ -150,8 +150,8 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         g = torch.Generator(device="cpu").manual_seed(rank)
         n, (h, hk, d) = spec["tokens"], spec["heads"]
         q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
-        opts = ringfa4.RingOptions.from_env().replace(metadata_check=spec.get("metadata_check", "every_call"),
-                                                      cuda_graphs=spec.get("graphs", False))
+        opts = ringfa4.RingOptions.from_env().replace(**{"metadata_check": "every_call", "cuda_graphs": False,
+                                                         **spec["options"]})
         # the stub hops: a hop copies this rank's own buffers into its receive buffers
         if spec["hops"] == "loopback":
             cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)
@@ -171,8 +171,9 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
             _host_us(call, 3, cuda, spec["cycles"], dist.barrier)  # warm-up (compiles), the same count everywhere
             times = _host_us(call, spec["reps"], cuda, spec["cycles"], dist.barrier)
             captured = cp.graphs is not None and any(cp.graphs.captured.values())
+            taped = cp.tapes is not None and cp.tapes.recorded > 0
             rows.append({"path": "real-rank", "hops": spec["hops"], "mode": "graphs" if captured else "eager",
-                         "metadata_check": opts.metadata_check,
+                         "metadata_check": opts.metadata_check, "taped": taped,
                          "pass": "fwd+bwd" if backward else "fwd",
                          "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                          "us_per_rank_step": statistics.median(times) / steps,
@@ -185,18 +186,18 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
 
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",
-                   reps: int = 10, cycles: int = 0, hops: str = "loopback", metadata_check: str = "every_call",
-                   graphs: bool = False) -> list[dict]:
+                   reps: int = 10, cycles: int = 0, hops: str = "loopback", options: dict | None = None) -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
     timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones);
     ``backend`` "null": kernels that do nothing (``_null_backend.py``, bf16 on the CPU too);
-    ``metadata_check``: ``RingOptions.metadata_check`` (``"new_shapes"``: the calls after the first
-    repeat its key, so they skip the check); ``graphs``: ``RingOptions(cuda_graphs=True)`` (a row's
-    mode says "graphs" only where the calls were captured). Raises RuntimeError naming the rank that
-    failed."""
+    ``options``: RingOptions fields over ``RingOptions.from_env()`` with ``metadata_check="every_call"``
+    and ``cuda_graphs=False``: e.g. ``metadata_check="new_shapes"`` (the calls after the first repeat its
+    key, so they skip the check), ``cuda_graphs=True`` (a row's mode says "graphs" only where the calls
+    were captured), ``launch_tapes="on"`` (a row's ``taped`` says whether a tape was recorded). Raises
+    RuntimeError naming the rank that failed."""
     spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
-            "hops": hops, "metadata_check": metadata_check, "graphs": graphs}
+            "hops": hops, "options": dict(options or {})}
     return spawn_ranks(_worker, world, spec, 600.0, "real-rank host cost")[0]
 
 

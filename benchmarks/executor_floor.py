@@ -107,15 +107,18 @@ def real_rank_floor(P: int, tokens: int, reps: int) -> list[dict]:
     """The API level on real ranks: ``P`` spawned gloo ranks, each a distributed ContextParallel
     with kernels that do nothing and loopback stub hops, so the metadata check (a gloo all-gather
     on the control group) is in: on every call (the default), and once per call key
-    (``RingOptions(metadata_check="new_shapes")``: the timed calls repeat the first one's key);
-    rank 0's rows, with the check's share of the profiled call."""
+    (``RingOptions(metadata_check="new_shapes")``: the timed calls repeat the first one's key), and so
+    with launch tapes (``launch_tapes="on"``: CPU calls are untaped by default); rank 0's rows, with the
+    check's share of the profiled call."""
     from _real_rank import real_rank_rows
 
     rows = []
-    for check, level in (("every_call", "check every call"), ("new_shapes", "check once per key")):
+    variants = (("every_call", "auto", "check every call"), ("new_shapes", "auto", "check once per key"),
+                ("new_shapes", "on", "check once per key, taped"))
+    for check, tapes, level in variants:
         rows += [dict(r, level=f"api, real rank (gloo, {level})")
                  for r in real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps,
-                                         metadata_check=check)]
+                                         options={"metadata_check": check, "launch_tapes": tapes})]
     return rows
 
 

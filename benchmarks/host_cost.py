@@ -390,7 +390,7 @@ def main() -> None:
                 if graphs and hops not in ("stream-ordered", "nccl"):  # captured hops: GPU-side waits only
                     continue
                 rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
-                                      metadata_check=check, graphs=graphs)
+                                      options={"metadata_check": check, "cuda_graphs": graphs})
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows

@@ -359,8 +359,11 @@ def test_real_rank_host_cost_runs_on_gloo_ranks():
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all(r["path"] == "real-rank" and r["P"] == 2 and r["us_per_rank_step"] > 0 for r in rows)
     assert all(r["metadata_check"] == "every_call" and r["check_share"] > 0 for r in rows)
-    once = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, metadata_check="new_shapes")
+    assert not any(r["taped"] for r in rows)  # CPU calls are untaped under the default "auto"
+    once = real_rank_rows(2, 32, (4, 2, 8), device="cpu", backend="reference", reps=2,
+                          options={"metadata_check": "new_shapes", "launch_tapes": "on"})
     assert all(r["metadata_check"] == "new_shapes" and r["check_share"] == 0 for r in once), once  # key repeated
+    assert all(r["taped"] for r in once)  # the gloo ranks' calls replayed from launch tapes
 
 
 def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():
