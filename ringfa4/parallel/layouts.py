@@ -101,19 +101,13 @@ class Layout:
             return x.narrow(dim, 0, 0)
         return torch.cat([x.narrow(dim, s, n) for s, n in segs], dim=dim)
 
-    def rank_order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-        """Every rank's global token indices, concatenated in rank order (int64 on ``device``; None
-        where that is the identity, a contiguous layout), and each rank's row count (the last 16
-        (layout, length, device) kept: lengths that change every batch do not pile up)."""
-        return _rank_order(self, seq_len, device)
-
     def split_all(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Every rank's :meth:`shard` of the full ``x`` along ``dim``, contiguous, in rank order: one
         gather (``index_select``; none for a contiguous layout) whose slices they are, where the dims
         before ``dim`` are all 1; else one copy a rank."""
         if x.shape[:dim].numel() != 1:
             return [self.shard(x, dim, r).contiguous() for r in range(self.world_size)]
-        order, rows = self.rank_order(x.shape[dim], x.device)
+        order, rows = _rank_order(self, x.shape[dim], x.device)
         return list((x if order is None else x.index_select(dim, order)).contiguous().split(rows, dim))
 
     def unshard(self, parts: list[torch.Tensor], dim: int, seq_len: int | None = None) -> torch.Tensor:
@@ -143,6 +137,9 @@ def _global_pieces(layout: Layout, seq_len: int) -> tuple[tuple[int, int, int], 
 
 @functools.lru_cache(maxsize=16)
 def _rank_order(layout: Layout, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """Every rank's global token indices, concatenated in rank order (int64 on ``device``; None where
+    that is the identity, a contiguous layout), and each rank's row count (:meth:`Layout.split_all`; the
+    last 16 (layout, length, device) kept, so lengths that change every batch do not pile up)."""
     segs = [layout.segments(seq_len, r) for r in range(layout.world_size)]
     rows = tuple(sum(n for _, n in s) for s in segs)
     flat = [seg for s in segs for seg in s]

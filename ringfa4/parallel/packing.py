@@ -289,10 +289,13 @@ class Packing:
         mark_valid(cu, max(self.doc_lengths, default=0))
         return cu
 
-    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    def _check_total(self, x: torch.Tensor, dim: int) -> None:
         if x.shape[dim] != self.total:
             raise ValueError(f"tensor to shard has {x.shape[dim]} tokens along dim {dim}, expected the pack's "
                              f"total {self.total}")
+
+    def shard(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        self._check_total(x, dim)
         return x.index_select(dim, self.indices(rank, x.device))
 
     @cached_method
@@ -304,9 +307,7 @@ class Packing:
         """Every rank's :meth:`shard` of the whole pack ``x`` along ``dim``, contiguous, in rank order:
         slices of one gather where the dims before ``dim`` are all 1 (q, k, v, out), else one gather a
         rank (an lse ``(h, total)``)."""
-        if x.shape[dim] != self.total:
-            raise ValueError(f"tensor to shard has {x.shape[dim]} tokens along dim {dim}, expected the pack's "
-                             f"total {self.total}")
+        self._check_total(x, dim)
         if x.shape[:dim].numel() != 1:
             return [self.shard(x, dim, r) for r in range(self.world_size)]
         gathered = x.index_select(dim, self.rank_order(x.device))
