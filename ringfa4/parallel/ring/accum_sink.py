@@ -48,11 +48,14 @@ class AccumGradSink:
         self.scratch = None if in_place else [torch.empty(self.layouts[0].numel, dtype=acc, device=k.device)
                                               for k in self.ks]
 
-    def zeros(self, g: int, device) -> torch.Tensor:
-        return torch.zeros(self.layouts[g].numel, dtype=self.dtype, device=device)
-
-    def empty(self, g: int, device) -> torch.Tensor:
-        return torch.empty(self.layouts[g].numel, dtype=self.dtype, device=device)
+    def accumulators(self, device, zeroed: bool) -> list[torch.Tensor]:
+        """The groups' accumulators as views of one buffer (zeroed in one launch), each starting on
+        a 256-byte boundary."""
+        starts = [0]
+        for lay in self.layouts:
+            starts.append(starts[-1] + -(-lay.numel * self.dtype.itemsize // 256) * 256 // self.dtype.itemsize)
+        flat = (torch.zeros if zeroed else torch.empty)(starts[-1], dtype=self.dtype, device=device)
+        return [flat.narrow(0, a, lay.numel) for a, lay in zip(starts, self.layouts)]
 
     def compute(self, g: int, i: int, blocks, k, v, rows: int, dst, travelled: bool):
         if not blocks:

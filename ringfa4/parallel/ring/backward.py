@@ -42,8 +42,8 @@ def ring_backward(run: RingRun, douts: list[torch.Tensor], qs: list[torch.Tensor
     steps, world = run.active_steps, run.schedule.world_size
     side = backward_side(run, douts, qs, ks, vs, outs, lses)
     local = range(len(run.ranks))
-    acc_cur = [[side.zeros(g, i) for i in local] for g in range(side.groups)]
-    acc_nxt = [[side.empty(g, i) for i in local] for g in range(side.groups)]
+    acc_cur = [list(x) for x in zip(*(side.accumulators(i, True) for i in local))]  # [group][local rank]
+    acc_nxt = [list(x) for x in zip(*(side.accumulators(i, False) for i in local))]
     hops: list = [None] * side.groups
     home = -(steps - 1) * side.step % world  # after the last step: back to the owner
     # in place in head groups, the travelling data rides with group 0's accumulators (one transfer: one

@@ -35,11 +35,8 @@ class BlockGradSink:
         # fp32 block gradients (the backend's backward_accumulate) where asked and not already exact
         self.fp32 = run.options.fp32_grads and qs[0].dtype != acc
 
-    def zeros(self, g: int, device) -> torch.Tensor:
-        return self.bufs.zeros(device)
-
-    def empty(self, g: int, device) -> torch.Tensor:
-        return self.bufs.empty(device)
+    def accumulators(self, device, zeroed: bool) -> list[torch.Tensor]:
+        return [self.bufs.zeros(device) if zeroed else self.bufs.empty(device)]
 
     def compute(self, g: int, i: int, blocks, k, v, rows: int, dst, travelled: bool):
         mine = []

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ...kernels.cute_finish import finish_planes_cute
 from ...kernels.merge import planes_lse
 from ...kernels.sinks import apply_sinks_
 from ..memo import ViewMemo, numbered
@@ -39,10 +40,7 @@ def ring_forward(run: RingRun, qs: list[torch.Tensor], ks: list[torch.Tensor], v
         if handle is not None:
             run.transport.wait(handle)
             kv.swap()
-    merge.finish()
-    if run.sinks is not None:  # once, on the merged fp32 result
-        for o, l in zip(merge.outs, merge.lses):
-            apply_sinks_(o, l, run.sinks)
+    merge.finish(run.sinks)
     return merge.results(), merge.lses
 
 
@@ -130,8 +128,11 @@ class StepMerge:
         self.fresh[i] = False
         self.exact.add(i, blk, l)
 
-    def finish(self) -> None:
+    def finish(self, sinks: torch.Tensor | None) -> None:
+        """The merged lse into ``lses``, then ``sinks (h,)`` (or None) applied once to the fp32
+        result."""
         self.exact.finish([None if d is None else n for d, n in zip(self.direct, self.acc_rows)])
+        _apply_sinks(self.outs, self.lses, sinks)
 
     def results(self) -> list[torch.Tensor]:
         """Per rank the output in q's dtype."""
@@ -167,6 +168,7 @@ class EpilogueMerge(StepMerge):
         self.planes = [torch.empty(q.shape[0], q.shape[2], 2, q.shape[1], dtype=torch.float32, device=q.device)
                        for q in qs]
         self.fresh = [True] * len(qs)
+        self.finished: list[torch.Tensor | None] = [None] * len(qs)  # outputs the finish kernel wrote
         self.rows_by_range: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         self.kv_views = ViewMemo()  # the blocks' kv rows of each held (k, v)
         # travelled blocks' replays (BlockBackend.merge_replay) by q class, block and held rows: K/V that
@@ -218,8 +220,27 @@ class EpilogueMerge(StepMerge):
         elif key is not None and replay is None:
             self.replays[key] = calls.merge_replay(run.backend, blk, rows_i, kv, run.spec) or False
 
-    def finish(self) -> None:
+    def finish(self, sinks: torch.Tensor | None) -> None:
+        """Per rank lse = M + log S into ``lses``; without sinks the output in q's dtype in the same
+        launch (:func:`~ringfa4.kernels.cute_finish.finish_planes_cute`, where it applies), which
+        :meth:`results` then returns; with ``sinks (h,)`` they are applied to the fp32 result first."""
         for i, (lse, planes) in enumerate(zip(self.lses, self.planes)):
             if self.fresh[i]:  # a rank without blocks: out 0, lse -inf
                 self._start(i)
+            if sinks is None:
+                self.finished[i] = finish_planes_cute(self.outs[i], planes[:, :, 0], planes[:, :, 1], lse,
+                                                      self.qs[i].dtype)
+                if self.finished[i] is not None:
+                    continue
             planes_lse(planes, out=lse)
+        _apply_sinks(self.outs, self.lses, sinks)
+
+    def results(self) -> list[torch.Tensor]:
+        return [acc.to(q.dtype) if done is None else done for acc, done, q in zip(self.outs, self.finished, self.qs)]
+
+
+def _apply_sinks(outs: list[torch.Tensor], lses: list[torch.Tensor], sinks: torch.Tensor | None) -> None:
+    """``sinks (h,)`` applied once to each rank's merged fp32 ``(out, lse)`` in place (None: nothing)."""
+    if sinks is not None:
+        for o, l in zip(outs, lses):
+            apply_sinks_(o, l, sinks)

@@ -35,11 +35,8 @@ class KVSide:
         n = travel_of(self.run, self.run.schedule.source(r, t, self.run.schedule.world_size))
         return self.bufs.view(self.ring.cur[i], n), n
 
-    def zeros(self, g: int, i: int) -> torch.Tensor:
-        return self.sink.zeros(g, self.ks[i].device)
-
-    def empty(self, g: int, i: int) -> torch.Tensor:
-        return self.sink.empty(g, self.ks[i].device)
+    def accumulators(self, i: int, zeroed: bool) -> list[torch.Tensor]:
+        return self.sink.accumulators(self.ks[i].device, zeroed)
 
     def compute(self, g: int, i: int, r: int, t: int, held, dst):
         (k, v), n = held

@@ -42,11 +42,9 @@ class BackwardSide(Protocol):
     def held(self, i: int, r: int, t: int) -> Any:
         """What local rank ``i`` (global ``r``) needs at step ``t`` of the data it holds."""
 
-    def zeros(self, g: int, i: int) -> torch.Tensor:
-        """A zeroed travelling accumulator of group ``g`` for local rank ``i``."""
-
-    def empty(self, g: int, i: int) -> torch.Tensor:
-        """An uninitialized one (the receive buffer)."""
+    def accumulators(self, i: int, zeroed: bool) -> list[torch.Tensor]:
+        """Local rank ``i``'s travelling accumulators, one a group, zeroed (step 0's) or not (the
+        receive buffers)."""
 
     def compute(self, g: int, i: int, r: int, t: int, held: Any, dst: torch.Tensor | None) -> Any:
         """Local rank ``i``'s blocks of step ``t`` for group ``g`` (into ``dst`` when in place);
@@ -69,9 +67,8 @@ class GradSink(Protocol):
     groups: int
     in_place: bool
 
-    def zeros(self, g: int, device: torch.device) -> torch.Tensor: ...
-
-    def empty(self, g: int, device: torch.device) -> torch.Tensor: ...
+    def accumulators(self, device: torch.device, zeroed: bool) -> list[torch.Tensor]:
+        """One travelling dK/dV accumulator a group (:meth:`BackwardSide.accumulators`)."""
 
     def compute(self, g: int, i: int, blocks: tuple, k: torch.Tensor, v: torch.Tensor, rows: int,
                 dst: torch.Tensor | None, travelled: bool) -> Any:

@@ -97,11 +97,9 @@ class QSide:
     def held(self, i: int, r: int, t: int):
         return self.ring.pieces(self.ring.cur[i]), self.visitor[(r, t)]
 
-    def zeros(self, g: int, i: int) -> torch.Tensor:
-        return self.states[i].dq_zeros(*self.q_heads[g])
-
-    def empty(self, g: int, i: int) -> torch.Tensor:
-        return self.states[i].dq_empty(*self.q_heads[g])
+    def accumulators(self, i: int, zeroed: bool) -> list[torch.Tensor]:
+        make = self.states[i].dq_zeros if zeroed else self.states[i].dq_empty
+        return [make(*heads) for heads in self.q_heads]
 
     def compute(self, g: int, i: int, r: int, t: int, held, dst):
         pieces, j = held
