@@ -34,8 +34,8 @@ def tape_rows(P: int, tokens: int, null: bool) -> list[dict]:
     q, k, v, do = (torch.randn(1, tokens * P, n, d, generator=g).to(torch.bfloat16).to(device) for n in (h, hk, hk, h))
     rows = []
     for backward in (False, True):
-        cp = ringfa4.ContextParallel.simulated(P, backend=NullBackend() if null else None,
-                                               options=RingOptions(launch_tapes="on"))
+        backend = {"backend": NullBackend()} if null else {}
+        cp = ringfa4.ContextParallel.simulated(P, options=RingOptions(launch_tapes="on"), **backend)
         step = cp_step(cp, backward)
         for _ in range(4):  # recorded at a key's second call, replayed from the third
             step(q, k, v, do)

@@ -239,6 +239,34 @@ def test_factories_that_fill_replay_as_that_fill():
     assert all(torch.equal(x, y) for x, y in zip(tape.replay([b]), factories(b)))
 
 
+def test_outputs_made_whole_in_their_layout_and_the_rest_as_views():
+    """A fresh output one slot covers densely (any dim order) is made in its own layout, the others
+    (a storage two outputs share, one with gaps) as views of one allocation: every replay alike."""
+    from ringfa4.kernels.tape import _dense_bytes, _Slot
+
+    def outs(a):
+        whole = torch.empty(3, 4, dtype=a.dtype).t()  # dense in another dim order
+        whole.copy_(a * 2)
+        both = torch.empty(2, 4, 3, dtype=a.dtype)
+        both[0].copy_(a + 1)
+        both[1].copy_(a - 1)
+        gaps = torch.empty(4, 6, dtype=a.dtype)[:, ::2]
+        gaps.copy_(a)
+        return [whole, both[0], both[1], gaps]
+    a = torch.randn(4, 3, dtype=torch.float64)
+    _, out, tape = _record(outs, [a])
+    assert sum(tape.made_whole) == 1 and len(tape.made_whole) == 3
+    assert tape.verify([a], out, exact=True) is None
+    b = torch.randn(4, 3, dtype=torch.float64)
+    got = tape.replay([b])
+    assert got[0].stride() == (1, 4) and got[1].data_ptr() + 12 * 8 == got[2].data_ptr()
+    assert all(torch.equal(x, y) for x, y in zip(got, outs(b)))
+    slot = lambda shape, stride: _Slot("out", 0, 0, shape, stride, torch.float32)  # noqa: E731
+    assert _dense_bytes(slot((4, 3), (1, 4))) == 48 and _dense_bytes(slot((1, 5, 1), (7, 1, 9))) == 20
+    assert _dense_bytes(slot((4, 3), (6, 2))) == -1 and _dense_bytes(slot((4, 3), (1, 1))) == -1
+    assert _dense_bytes(slot((0, 3), (3, 1))) == 0
+
+
 @pytest.mark.parametrize("world,mode,h_kv", [(2, "dense", 2), (3, "dense", 1), (2, "ring", 2), (3, "allgather", 2)])
 def test_real_ranks_replay_their_hops_and_equal_untaped_calls(pools, world, mode, h_kv):
     """gloo ranks: a hop's post and its watched wait are tape entries, so a replay posts, waits and

@@ -437,6 +437,10 @@ class Tape:
         # fresh storages typed per dtype once a replay: which dtypes each is seen through
         self.fresh_dtypes = [sorted({s.dtype for s in slots if s.kind == "out" and s.src == i}, key=str)
                              for i in range(len(fresh_bytes))]
+        # fresh storages that one slot covers exactly, densely: made in its shape (no view to build)
+        users = [[s for s in slots if s.kind == "out" and s.src == i] for i in range(len(fresh_bytes))]
+        self.made_whole = [len(u) == 1 and u[0].byte_offset == 0 and _dense_bytes(u[0]) == n
+                           for u, n in zip(users, fresh_bytes)]
 
     @property
     def kept_bytes(self) -> int:
@@ -449,6 +453,8 @@ class Tape:
     def _views(self, inputs: Sequence[torch.Tensor], poison: bool) -> list[torch.Tensor]:
         typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         for i, (nbytes, dtypes) in enumerate(zip(self.fresh_bytes, self.fresh_dtypes)):
+            if self.made_whole[i]:  # (its slot makes it below)
+                continue
             if len(dtypes) == 1 and nbytes % dtypes[0].itemsize == 0:
                 typed[i, dtypes[0]] = torch.empty(nbytes // dtypes[0].itemsize, dtype=dtypes[0], device=self.device)
             else:
@@ -463,6 +469,12 @@ class Tape:
                 views.append(torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=self.device))
                 continue
             if s.kind == "out":
+                if self.made_whole[s.src]:
+                    t = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=self.device)
+                    if poison:
+                        t.untyped_storage().fill_(255)
+                    views.append(t)
+                    continue
                 base = typed[s.src, s.dtype]
                 views.append(base.as_strided(s.shape, s.stride, s.byte_offset // s.dtype.itemsize))
                 continue
@@ -523,6 +535,23 @@ def _agree(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     if not bool(fb.any()):
         return True
     return bool((a[fa] - b[fb]).abs().max() <= 1e-2 * b[fb].abs().max() + 1e-6)
+
+
+def _dense_bytes(s: _Slot) -> int:
+    """The bytes a slot's view spans when its elements tile them without gaps or overlaps, else -1."""
+    n = 1
+    for size in s.shape:
+        n *= size
+    if n == 0:
+        return 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(s.shape, s.stride))
+    dims = sorted((stride, size) for size, stride in zip(s.shape, s.stride) if size > 1)
+    step = 1
+    for stride, size in dims:  # each dim steps over exactly the dims inside it
+        if stride != step:
+            return -1
+        step *= size
+    return n * s.dtype.itemsize if extent == n else -1
 
 
 def _round_up(n: int, m: int) -> int:

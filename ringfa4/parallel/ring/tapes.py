@@ -91,8 +91,10 @@ class RingTapes(RingGraphs):
         the inputs where they are) and which inputs share storage (a replay rebuilds views per input)."""
         first_of: dict[int, int] = {}
         align = 128 if flat[0].device.type == "cuda" else 1
+        # (a storage's start: the data pointer less the offset, without making a storage object)
         return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % align,
-                      first_of.setdefault(t.untyped_storage().data_ptr(), i)) for i, t in enumerate(flat))
+                      first_of.setdefault(t.data_ptr() - t.storage_offset() * t.element_size(), i))
+                     for i, t in enumerate(flat))
 
     def call(self, fn, run: RingRun, *lists: list[torch.Tensor]) -> tuple[list[torch.Tensor], ...]:
         """``fn(run, *lists)`` (a ring forward or backward on per-rank tensor lists), replayed from
