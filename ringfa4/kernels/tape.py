@@ -362,7 +362,7 @@ class _Entry:
     def make(fn, args, kwargs, results, resolve, start_stream) -> _Entry:
         e = _Entry()
         e.fn, e.patches = getattr(fn, "_op", fn), []  # an aten op's C++ callable (OpOverload's own call: ~1 us)
-        e.name = str(fn) if hasattr(fn, "_op") else getattr(fn, "__qualname__", repr(fn))  # (what ran: diagnostics)
+        e.name = _entry_name(fn)  # (what ran: diagnostics)
         e.args = [e._arg(a, ("a", i), resolve, start_stream) for i, a in enumerate(args)]
         e.kwargs = {k: e._arg(a, ("k", k), resolve, start_stream) for k, a in kwargs.items()}
         e.results = None if results is None else [resolve(r) for r in results]
@@ -535,6 +535,20 @@ def _agree(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     if not bool(fb.any()):
         return True
     return bool((a[fa] - b[fb]).abs().max() <= 1e-2 * b[fb].abs().max() + 1e-6)
+
+
+def _entry_name(fn) -> str:
+    """What an entry runs, for diagnostics: an aten op's name, a compiled CuTe DSL kernel's class
+    (its mangled function name up to the argument types), else the callable's qualified name."""
+    if hasattr(fn, "_op"):
+        return str(fn)
+    mangled = getattr(fn, "function_name", None)
+    if isinstance(mangled, str):
+        name = mangled.removeprefix("cutlass___call___")
+        for cut in ("_object_at_", "_FakeTensor", "_Tensorgmem"):
+            name = name.split(cut)[0]
+        return f"cute:{name}"
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 def _dense_bytes(s: _Slot) -> int:
