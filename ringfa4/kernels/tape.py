@@ -471,8 +471,8 @@ class Tape:
             if s.kind == "out":
                 if self.made_whole[s.src]:
                     t = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=self.device)
-                    if poison:
-                        t.untyped_storage().fill_(255)
+                    if poison:  # (its bytes as uint8, as the typed storages below are poisoned)
+                        torch.empty(0, dtype=torch.uint8, device=self.device).set_(t.untyped_storage()).fill_(255)
                     views.append(t)
                     continue
                 base = typed[s.src, s.dtype]
