@@ -14,7 +14,8 @@
 #             tile of FA4's varlen kernels costs besides its blocks (varlen_tile_cost.py: the tile cost
 #             tile_schedule.py models) (~2 min)
 #   host      host microseconds per rank-step, eager and CUDA graphs (host_cost.py): the default PART 4k a rank at
-#             P = 4 and 8 with the baselines and a per-function profile (~4 min: one H100, session 30); PART rows
+#             P = 4 and 8 with the baselines and a per-function profile, then what the taped calls launch by kind
+#             (tape_entries.py) (~5 min: one H100, session 30); PART rows
 #             TOKENS WORLDS: other sizes, e.g. `host rows 8192 4` (~3 min), `host rows 8192 8` (~4 min), `host rows
 #             32768 4` / `32768 8` (each call alone: 32k rows ran past a shared call's limit); PART rest: the packed
 #             mix and the real-rank rows, the real rank's per-call metadata check (check_cost.py, gloo), where a
@@ -127,6 +128,7 @@ stage_host() {
   fi
   if [ "${1:-}" != rest ]; then  # the default PART: 4k a rank, the baselines, the profile
     python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --graphs --profile --out "$(name host_cost "$sfx")"
+    python3 benchmarks/tape_entries.py --worlds 4,8 --out "$(name tape_entries "$sfx")"
     return
   fi
   python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --packed --real-rank --no-dense --no-baselines \
