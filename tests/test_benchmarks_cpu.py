@@ -403,6 +403,21 @@ def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
     assert isinstance(sink, AccumGradSink) and sink.in_place and sink.groups == 2
 
 
+def test_tape_entries_count_what_a_taped_ring_launches():
+    """tape_entries.py on no-op kernels (P = 4): per rank and call, the forward's tape holds its
+    block and 3 merging blocks, 3 hops and the finish (CPU: planes_lse's log and add, the cast), the
+    backward's 8 blocks (two head groups), 8 hops and one zero for both groups' accumulators."""
+    from tape_entries import tape_rows
+
+    rows = {(r["pass"], r["tape"]): r for r in tape_rows(4, 256, null=True)}
+    fwd = rows["fwd", "ring_forward"]["per_rank"]
+    assert fwd["_null_forward"] == 1 and fwd["_null_merge"] == 3 and fwd["aten._foreach_copy_.default"] == 3
+    assert fwd["aten.log.out"] == fwd["aten.add_.Tensor"] == fwd["aten.copy_.default"] == 1
+    bwd = rows["fwd+bwd", "ring_backward"]["per_rank"]
+    assert bwd["_null_block"] == 8 and bwd["aten._foreach_copy_.default"] == 8
+    assert bwd["aten.zero_.default"] == 2  # both groups' dK/dV in one, and the null backend's dq
+
+
 def test_cp_step_backward_on_the_calling_thread(monkeypatch):
     """cp_step(calling_thread=True): the ring backward runs with autograd's worker threads off (on
     CUDA it then runs on the calling thread, not the device thread), the default leaves them on,
