@@ -77,6 +77,8 @@ def test_plan_vector_width_and_refusals():
     assert plan_finish(acc, m, s, out.half(), lse, "sm_100a").out_dtype == "float16"
     halves = plan_finish(acc[:, 5:11], m[..., 5:11], s[..., 5:11], out[:, 5:11], lse[..., 5:11], "sm_90a")
     assert halves.vec == 8  # zigzag-style halves of the planes and the accumulator
+    assert plan_finish(acc, m, s, None, lse, "sm_90a", torch.bfloat16) == FinishKey("bfloat16", 128, 8, "sm_90a")
+    assert plan_finish(acc, m, s, None, lse, "sm_90a", torch.float32) is None  # a new output of an fp32 dtype
     big = torch.zeros(2, 16, 3, 130)
     assert plan_finish(big[..., 2:130], m, s, out, lse, "sm_90a").vec == 2  # rows 8 bytes past 16
     # refused: a float32 output, an fp32 lse that is not, a strided last dim, overlapping lse writes

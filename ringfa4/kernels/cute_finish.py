@@ -140,7 +140,7 @@ _compiled = functools.cache(compile_finish_kernel)
 def _check(out_acc, m, s, out, lse) -> None:
     if out_acc.dim() != 4:
         raise ValueError(f"out_acc must be (b, s, h, d), got shape {tuple(out_acc.shape)}")
-    if out.shape != out_acc.shape:
+    if out is not None and out.shape != out_acc.shape:
         raise ValueError(f"out must have out_acc's shape {tuple(out_acc.shape)}, got {tuple(out.shape)}")
     b, n_s, h, _ = out_acc.shape
     for name, t in (("m", m), ("s", s), ("lse", lse)):
@@ -148,19 +148,21 @@ def _check(out_acc, m, s, out, lse) -> None:
             raise ValueError(f"{name} must have shape {(b, h, n_s)} (b, h, s), got {tuple(t.shape)}")
 
 
-def plan_finish(out_acc, m, s, out, lse, arch: str) -> FinishKey | None:
+def plan_finish(out_acc, m, s, out, lse, arch: str, dtype: torch.dtype | None = None) -> FinishKey | None:
     """The kernel for these tensors (any device), or None where the kernel cannot do them (dtypes,
-    a last dim not contiguous, overlapping writes, rows it cannot align). Raises ValueError on
-    mismatched shapes."""
+    a last dim not contiguous, overlapping writes, rows it cannot align). ``out`` None: a new
+    contiguous tensor of ``dtype``. Raises ValueError on mismatched shapes."""
     _check(out_acc, m, s, out, lse)
-    if any(t.dtype != torch.float32 for t in (out_acc, m, s, lse)) or out.dtype not in (torch.bfloat16, torch.float16):
+    dtype = out.dtype if out is not None else dtype
+    if any(t.dtype != torch.float32 for t in (out_acc, m, s, lse)) or dtype not in (torch.bfloat16, torch.float16):
         return None
-    if out_acc.stride(-1) != 1 or out.stride(-1) != 1:
+    rows = (out_acc,) if out is None else (out_acc, out)  # (a new contiguous tensor is aligned)
+    if any(t.stride(-1) != 1 for t in rows):
         return None
-    if any(st == 0 and n > 1 for t in (out, lse) for st, n in zip(t.stride(), t.shape)):
+    if any(st == 0 and n > 1 for t in (out, lse) if t is not None for st, n in zip(t.stride(), t.shape)):
         return None  # overlapping writes
-    vec = pick_vec(out_acc.shape[-1], DTYPE_NAMES[out.dtype], (out_acc, out))
-    return None if vec is None else FinishKey(DTYPE_NAMES[out.dtype], out_acc.shape[-1], vec, arch)
+    vec = pick_vec(out_acc.shape[-1], DTYPE_NAMES[dtype], rows)
+    return None if vec is None else FinishKey(DTYPE_NAMES[dtype], out_acc.shape[-1], vec, arch)
 
 
 @eager_boundary
@@ -174,16 +176,15 @@ def finish_planes_cute(out_acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, 
         raise ValueError(f"out must be {dtype}, got {out.dtype}")
     if out_acc.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not cute_available():
         return None
-    target = torch.empty(out_acc.shape, dtype=dtype, device=out_acc.device) if out is None else out
-    tensors = (out_acc, m, s, target, lse)
-    _check(*tensors)
-    if not all(t.is_cuda and t.device == out_acc.device for t in tensors):
+    _check(out_acc, m, s, out, lse)
+    if not all(t.is_cuda and t.device == out_acc.device for t in (m, s, lse) + (() if out is None else (out,))):
         return None
     arch = device_arch(out_acc.device.index or 0)
-    key = None if arch is None else plan_finish(*tensors, arch=arch)
+    key = None if arch is None else plan_finish(out_acc, m, s, out, lse, arch, dtype)
     if key is None:
         return None
+    target = torch.empty(out_acc.shape, dtype=dtype, device=out_acc.device) if out is None else out
     if out_acc.numel():  # (no rows: nothing to write; d = 0 has no kernel)
         with torch.cuda.device(out_acc.device):
-            launch(_compiled(key), *tensors)
+            launch(_compiled(key), out_acc, m, s, target, lse)
     return target
