@@ -10,8 +10,9 @@ host-cost regression check that needs no GPU.
 Per world size and pass (fwd, fwd+bwd), at the executor level (each rank's ring on its shards) and
 the API level (``ringfa4.attention`` with autograd; untaped, and with ``launch_tapes="on"``: from the
 third call a replay of the recorded launches, the null kernels' no-op launches included): host us per
-rank-step (median over ``--reps`` calls, and the minimum) and Python function calls per rank-step
-(cProfile, one call: a count that does not depend on the machine). Shapes: ``--tokens`` a rank
+rank-step (median over ``--reps`` calls, and the minimum), Python function calls per rank-step
+(cProfile, one call: a count that does not depend on the machine) and the torch ops a rank-step
+dispatches (views included; on the device each costs host time: a proxy for it without one). Shapes: ``--tokens`` a rank
 (default 256), h = 8 / kv 2, d = 16, bf16, causal zigzag; and one packed mix (``--packed`` tokens of
 128-2048-token documents, the default placement), whose rows are per rank and call.
 """
@@ -54,6 +55,26 @@ def _calls(fn) -> int:
     return sum(nc for (_, nc, _, _, _) in pstats.Stats(prof).stats.values())
 
 
+def _torch_ops(fn) -> tuple[int, dict]:
+    """The aten ops one call of ``fn`` dispatches (views included: on the device each is host time, a
+    few microseconds for a view, 5-20 for a launch), and the counts by op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_op: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        fn()
+    return sum(count.by_op.values()), dict(sorted(count.by_op.items(), key=lambda x: -x[1]))
+
+
 def floor_rows(P: int, tokens: int, reps: int) -> list[dict]:
     """Rows of one world size: executor and API level, fwd and fwd+bwd."""
     g = torch.Generator().manual_seed(P)
@@ -70,10 +91,12 @@ def floor_rows(P: int, tokens: int, reps: int) -> list[dict]:
             for _ in range(3):
                 call()
             med, low = _time_us(call, reps)
+            ops, by_op = _torch_ops(call)
             rows.append({"P": P, "tokens_per_rank": tokens, "pass": "fwd+bwd" if backward else "fwd", "level": level,
                          "rank_steps": rank_steps, "us_per_rank_step": med / rank_steps,
                          "min_us_per_rank_step": low / rank_steps,
-                         "python_calls_per_rank_step": _calls(call) / rank_steps})
+                         "python_calls_per_rank_step": _calls(call) / rank_steps,
+                         "torch_ops_per_rank_step": ops / rank_steps, "torch_ops_by_kind": by_op})
     return rows
 
 
@@ -145,11 +168,13 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"cpus": os.cpu_count(), "heads": H, "kv_heads": HK, "head_dim": D, "rows": rows}, f, indent=1)
     print(f"\nexecutor floor (kernels that do nothing, CPU, h={H}/{HK}, d={D}, {args.tokens} tokens a rank)")
-    print("| P | pass | level | host us / rank-step, median (min) | Python calls / rank-step |\n|---|---|---|---|---|")
+    print("| P | pass | level | host us / rank-step, median (min) | Python calls / rank-step "
+          "| torch ops / rank-step |\n|---|---|---|---|---|---|")
     for r in rows:
         share = f", check {r['check_share']:.0%} of it" if "check_share" in r else ""
+        ops = f"{r['torch_ops_per_rank_step']:.1f}" if "torch_ops_per_rank_step" in r else "-"
         print(f"| {r['P']} | {r['pass']} | {r['level']} | {r['us_per_rank_step']:.0f} "
-              f"({r['min_us_per_rank_step']:.0f}){share} | {r['python_calls_per_rank_step']:.0f} |")
+              f"({r['min_us_per_rank_step']:.0f}){share} | {r['python_calls_per_rank_step']:.0f} | {ops} |")
 
 
 if __name__ == "__main__":

@@ -394,6 +394,11 @@ def test_executor_floor_times_the_ring_with_kernels_that_do_nothing():
     calls = {(r["pass"], r["level"]): r["python_calls_per_rank_step"] for r in rows}
     for p in ("fwd", "fwd+bwd"):  # a replay runs the launches, not the executor's Python
         assert calls[p, "api, taped"] < 0.7 * calls[p, "api"], calls
+    ops = {(r["pass"], r["level"]): r["torch_ops_by_kind"] for r in rows}
+    # the torch ops a call dispatches, by kind: the taped forward's finish (CPU: planes_lse and the
+    # cast) once a rank, its hops P - 1 multi-tensor copies a rank
+    assert ops["fwd", "api, taped"]["aten.log"] == 4 and ops["fwd", "api, taped"]["aten._foreach_copy_"] == 12
+    assert all(r["torch_ops_per_rank_step"] == sum(r["torch_ops_by_kind"].values()) / r["rank_steps"] for r in rows)
     cp = ringfa4.ContextParallel.simulated(4, backend=NullBackend())
     q, k, v = (torch.randn(1, 512, n, 16).to(torch.bfloat16) for n in (8, 2, 2))
     run = cp.run(q, AttnSpec(causal=True))
