@@ -171,7 +171,8 @@ def finish_planes_cute(out_acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, 
     """``out_acc`` in ``dtype`` (into ``out`` when given, else a new contiguous tensor) and ``lse <- M +
     log S`` (see the module doc), one launch; returns the output. None, doing nothing and allocating
     nothing, where the kernel does not apply (not CUDA, no nvidia-cutlass-dsl, dtypes or layouts it
-    does not take: the caller then runs the torch ops); ValueError on mismatched shapes."""
+    does not take: the caller then runs the torch ops, which check their own shapes); ValueError on
+    mismatched shapes of the CUDA tensors it would run on."""
     if out is not None and out.dtype != dtype:
         raise ValueError(f"out must be {dtype}, got {out.dtype}")
     if out_acc.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not cute_available():
