@@ -1,13 +1,15 @@
-"""What our row-wise CuTe DSL kernels (merge, combine) share on the host side: availability, the
-compile target of a device, and the vector width a set of row tensors allows."""
+"""What our row-wise CuTe DSL kernels (merge, finish) share on the host side: availability, the
+compile target of a device, the vector width a set of row tensors allows, a kernel's row geometry
+and its compile options."""
 
 from __future__ import annotations
 
 import functools
+import shlex
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "align_bytes", "cute_available", "device_arch", "pick_vec"]
+__all__ = ["DTYPE_NAMES", "RowGeometry", "align_bytes", "compile_options", "cute_available", "device_arch", "pick_vec"]
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 WIDTH = {"bfloat16": 16, "float16": 16, "float32": 32}
@@ -51,3 +53,32 @@ def pick_vec(d: int, dtype_name: str, rows: tuple[torch.Tensor, ...]) -> int | N
     while vec > 1 and not (d % vec == 0 and all(_fits(t, vec) for t in rows)):
         vec //= 2
     return None if d // vec > 1024 else vec
+
+
+class RowGeometry:
+    """A row kernel's launch shape: one thread moves ``vec`` of a row's ``d`` elements (``tpr``
+    threads a row), a CTA holds ``rows_per_cta`` whole rows (``num_threads``: about 256). The
+    kernel classes derive from it (their ``__init__`` calls this one)."""
+
+    THREADS = 256  # threads per CTA before rounding down to whole rows
+
+    def __init__(self, d: int, vec: int) -> None:
+        self.d, self.vec = d, vec
+        self.tpr = d // vec
+        self.rows_per_cta = max(1, self.THREADS // self.tpr)
+        self.num_threads = self.rows_per_cta * self.tpr
+
+    @staticmethod
+    def fits(d: int, vec: int, width: int) -> bool:
+        """Whether ``d`` splits into power-of-two vectors of ``vec`` elements of ``width`` bits (at most
+        one 128-bit copy each), at most 1024 threads a row."""
+        return vec >= 1 and d % vec == 0 and 0 < d // vec <= 1024 and vec & (vec - 1) == 0 and vec * width <= 128
+
+
+def compile_options(arch: str, dump_dir: str | None) -> str:
+    """``cute.compile``'s options for a TVM-FFI kernel of ``arch``; with ``dump_dir`` its PTX and
+    cubin are kept there."""
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir {shlex.quote(str(dump_dir))}"
+    return options

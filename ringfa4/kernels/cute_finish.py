@@ -22,18 +22,15 @@ The launch goes on torch's current CUDA stream.
 """
 
 import functools
-import shlex
 from dataclasses import dataclass
 
 import torch
 
-from .cute_common import DTYPE_NAMES, align_bytes, cute_available, device_arch, pick_vec
+from .cute_common import DTYPE_NAMES, RowGeometry, align_bytes, compile_options, cute_available, device_arch, pick_vec
 from .eager import eager_boundary
 from .tape import launch
 
 __all__ = ["FinishKey", "compile_finish_kernel", "finish_planes_cute", "plan_finish"]
-
-_THREADS = 256  # threads per CTA before rounding down to whole rows
 
 
 @dataclass(frozen=True)
@@ -52,20 +49,17 @@ def _kernel_class():
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    class FinishPlanes:
+    class FinishPlanes(RowGeometry):
         def __init__(self, out_dtype, d: int, vec: int):
-            self.out_dtype, self.d, self.vec = out_dtype, d, vec
-            self.tpr = d // vec  # threads per row
-            self.rows_per_cta = max(1, _THREADS // self.tpr)
-            self.num_threads = self.rows_per_cta * self.tpr
+            super().__init__(d, vec)
+            self.out_dtype = out_dtype
 
         def __str__(self) -> str:  # names the kernel (and its PTX / cubin dump files)
             return f"RingFinishPlanes_{self.out_dtype.__name__}_d{self.d}_v{self.vec}"
 
         @staticmethod
         def can_implement(out_dtype, d: int, vec: int) -> bool:
-            return (out_dtype in (cutlass.BFloat16, cutlass.Float16) and vec >= 1 and d % vec == 0
-                    and 0 < d // vec <= 1024 and vec & (vec - 1) == 0 and vec * out_dtype.width <= 128)
+            return out_dtype in (cutlass.BFloat16, cutlass.Float16) and RowGeometry.fits(d, vec, out_dtype.width)
 
         @cute.jit
         def __call__(self, mA: cute.Tensor, mM: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor,
@@ -126,9 +120,7 @@ def compile_finish_kernel(key: FinishKey, dump_dir: str | None = None):
         return cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, s), tuple(cute.sym_int64() for _ in range(3)),
                                              assumed_align=4)
 
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if dump_dir is not None:
-        options += f" --keep-ptx --keep-cubin --dump-dir {shlex.quote(str(dump_dir))}"
+    options = compile_options(key.arch, dump_dir)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(cls(dtype, key.d, key.vec), rows_t(cutlass.Float32), lse_t(), lse_t(), rows_t(dtype), lse_t(),
                         stream, options=options)

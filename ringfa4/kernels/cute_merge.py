@@ -24,19 +24,16 @@ The launch goes on torch's current CUDA stream (TVM FFI environment stream).
 
 import functools
 import math
-import shlex
 from dataclasses import dataclass
 
 import torch
 
-from .cute_common import DTYPE_NAMES, align_bytes, cute_available, device_arch, pick_vec
+from .cute_common import DTYPE_NAMES, RowGeometry, align_bytes, compile_options, cute_available, device_arch, pick_vec
 from .tape import launch
 
 __all__ = ["MergeKey", "compile_merge_kernel", "cute_merge_available", "merge_lse_cute_", "plan_merge"]
 
 cute_merge_available = cute_available
-
-_THREADS = 256  # threads per CTA before rounding down to whole rows
 
 
 
@@ -58,20 +55,18 @@ def _kernel_class():
 
     log2_e = math.log2(math.e)
 
-    class MergeLse:
+    class MergeLse(RowGeometry):
         def __init__(self, blk_dtype, d: int, vec: int):
-            self.blk_dtype, self.d, self.vec = blk_dtype, d, vec
-            self.tpr = d // vec  # threads per row
-            self.rows_per_cta = max(1, _THREADS // self.tpr)
-            self.num_threads = self.rows_per_cta * self.tpr
+            super().__init__(d, vec)
+            self.blk_dtype = blk_dtype
 
         def __str__(self) -> str:  # names the kernel (and its PTX / cubin dump files)
             return f"RingMergeLse_{self.blk_dtype.__name__}_d{self.d}_v{self.vec}"
 
         @staticmethod
         def can_implement(blk_dtype, d: int, vec: int) -> bool:
-            return (blk_dtype in (cutlass.BFloat16, cutlass.Float16, Float32) and vec >= 1 and d % vec == 0
-                    and 0 < d // vec <= 1024 and vec & (vec - 1) == 0 and vec * blk_dtype.width <= 128)
+            return (blk_dtype in (cutlass.BFloat16, cutlass.Float16, Float32)
+                    and RowGeometry.fits(d, vec, blk_dtype.width))
 
         @cute.jit
         def __call__(self, mO: cute.Tensor, mL: cute.Tensor, mOB: cute.Tensor, mLB: cute.Tensor, stream):
@@ -149,9 +144,7 @@ def compile_merge_kernel(key: MergeKey, dump_dir: str | None = None):
         return cute.runtime.make_fake_tensor(cutlass.Float32, (b, h, s), tuple(cute.sym_int64() for _ in range(3)),
                                              assumed_align=4)
 
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if dump_dir is not None:
-        options += f" --keep-ptx --keep-cubin --dump-dir {shlex.quote(str(dump_dir))}"
+    options = compile_options(key.arch, dump_dir)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(cls(blk, key.d, key.vec), out_t(cutlass.Float32), lse_t(), out_t(blk), lse_t(), stream,
                         options=options)
