@@ -295,7 +295,7 @@ class _Arriving:
             kv = (k.new_empty((lay.rows,) + tuple(k.shape[1:])), v.new_empty((lay.rows,) + tuple(v.shape[1:])))
             held.append(kv)
             sizes, piece, slots, _ = sched.pieces(r, g)
-            parts = [x.split(sizes[:slots]) for x in kv]
+            parts = [x.split_with_sizes(sizes[:slots]) for x in kv]
             recvs.append([(m.src, part[j]) for m, j in zip(lay.moves, piece) for part in parts])
             sends.append([(dst, _rows(x, row, n)) for dst, row, n in sched.sends(r, g) for x in (k, v)])
         return held, self.run.transport.move_start(sends, recvs, "the K/V exchange")
@@ -404,7 +404,7 @@ def allgather_backward(run, douts, qs, ks, vs, outs, lses):
                 for x in grads:
                     _rows(x, frm, n).add_(_rows(x, row, n))
             sizes, piece, _, returns = sched.pieces(r, g)
-            parts = [x.split(sizes) for x in buf]
+            parts = [x.split_with_sizes(sizes) for x in buf]
             sends.append([(m.src, part[j]) for m, j in zip(lay.moves, piece) if m.src != r for part in parts])
             back_from = [dst for dst, _, _ in sched.sends(r, g) if dst != r]
             recvs.append([(dst, part[j]) for dst, j in zip(back_from, returns) for part in parts])

@@ -108,7 +108,7 @@ class Layout:
         if x.shape[:dim].numel() != 1:
             return [self.shard(x, dim, r).contiguous() for r in range(self.world_size)]
         order, rows = _rank_order(self, x.shape[dim], x.device)
-        return list((x if order is None else x.index_select(dim, order)).contiguous().split(rows, dim))
+        return list((x if order is None else x.index_select(dim, order)).contiguous().split_with_sizes(rows, dim))
 
     def unshard(self, parts: list[torch.Tensor], dim: int, seq_len: int | None = None) -> torch.Tensor:
         """Inverse of :meth:`shard` given every rank's part (rank order); ``seq_len``: the parts
@@ -117,22 +117,30 @@ class Layout:
             raise ValueError(f"unshard needs {self.world_size} parts, got {len(parts)}")
         if seq_len is None:
             seq_len = self.seq_len_of([p.shape[dim] for p in parts])
-        plan = _global_pieces(self, seq_len)
-        if not plan:
+        cuts, order = _global_pieces(self, seq_len, tuple(p.shape[dim] for p in parts))
+        if not order:
             return parts[0].narrow(dim, 0, 0)
-        return torch.cat([parts[rank].narrow(dim, offset, n) for rank, offset, n in plan], dim=dim)
+        pieces = [piece for part, sizes in zip(parts, cuts, strict=True) if sizes
+                  for piece in part.split_with_sizes(sizes, dim)]  # (one split a rank: its chunks and any padding)
+        return torch.cat([pieces[i] for i in order], dim=dim)
 
 
 @functools.lru_cache(maxsize=16)
-def _global_pieces(layout: Layout, seq_len: int) -> tuple[tuple[int, int, int], ...]:
-    """``(rank, local offset, length)`` of every non-empty chunk, in global order (:meth:`Layout.unshard`)."""
-    pieces = []
+def _global_pieces(layout: Layout, seq_len: int, rows: tuple[int, ...]
+                   ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """How :meth:`Layout.unshard` cuts parts of ``rows`` rows each: every rank's piece sizes in local
+    order (its chunks, then the padding past them, if any), and the index of every chunk among all
+    ranks' pieces (rank order), in global order."""
+    cuts, chunks, at = [], [], 0
     for rank in range(layout.world_size):
-        offset = 0
-        for start, n in layout.segments(seq_len, rank):
-            pieces.append((start, rank, offset, n))
-            offset += n
-    return tuple((rank, offset, n) for _, rank, offset, n in sorted(pieces))
+        segs = [(start, n) for start, n in layout.segments(seq_len, rank) if n]
+        chunks += [(start, at + j) for j, (start, _) in enumerate(segs)]
+        sizes = [n for _, n in segs]
+        if rows[rank] > sum(sizes):
+            sizes.append(rows[rank] - sum(sizes))
+        at += len(sizes)
+        cuts.append(tuple(sizes))
+    return tuple(cuts), tuple(i for _, i in sorted(chunks))
 
 
 @functools.lru_cache(maxsize=16)

@@ -311,7 +311,7 @@ class Packing:
         if x.shape[:dim].numel() != 1:
             return [self.shard(x, dim, r) for r in range(self.world_size)]
         gathered = x.index_select(dim, self.rank_order(x.device))
-        return list(gathered.split([self.rows(r) for r in range(self.world_size)], dim))
+        return list(gathered.split_with_sizes([self.rows(r) for r in range(self.world_size)], dim))
 
     def unshard(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Inverse of :meth:`shard` given every rank's part (parts may be padded past their rows):
