@@ -196,9 +196,42 @@ def baselines(cycles: int, queued_ms: float, reps: int) -> list[dict]:
             rows.append({"what": f"FA4 flash_attn_func {name}", **host_us(fa4, cycles, queued_ms, reps)})
         rows.append({"what": f"ringfa4 cp=None {name}",
                      **host_us(rotating(cp_step(None, backward), sets), cycles, queued_ms, reps)})
+    rows += _autograd_floor(sets[0], cycles, queued_ms, reps)
     rows += _backward_alone(sets, cycles, queued_ms, reps)
     rows += _varlen_alone(sets, cycles, queued_ms, reps)
     return rows
+
+
+class _NoKernels(torch.autograd.Function):
+    """An attention-shaped autograd op that launches nothing: what autograd alone costs a call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.shapes = (k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        k, v = ctx.shapes
+        return torch.empty_like(dout), torch.empty_like(k), torch.empty_like(v)
+
+
+def _autograd_floor(tensors: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
+    """The host time of autograd itself on CUDA tensors: a forward+backward of :class:`_NoKernels`
+    (no kernel, fresh gradients), its backward on autograd's device thread (the default) and on the
+    calling thread. Every ring call pays it once, so at P ranks x s steps it is this / (P s) a
+    rank-step."""
+    q, k, v, do = tensors
+
+    def floor(calling_thread: bool) -> None:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _NoKernels.apply(qq, kk, vv)
+        with torch.autograd.set_multithreading_enabled(not calling_thread):
+            out.backward(do)
+    return [{"what": "autograd alone fwd+bwd (a no-kernel op), device thread",
+             **host_us(lambda: floor(False), cycles, queued_ms, reps)},
+            {"what": "autograd alone fwd+bwd (a no-kernel op), calling thread",
+             **host_us(lambda: floor(True), cycles, queued_ms, reps)}]
 
 
 def _backward_alone(sets: list, cycles: int, queued_ms: float, reps: int) -> list[dict]:
