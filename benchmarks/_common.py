@@ -46,6 +46,22 @@ def cp_step(cp, backward: bool, packing=None, causal: bool = True, calling_threa
     return run
 
 
+def cp_layers_step(cp, backward: bool, layers: int, causal: bool = True):
+    """``layers`` calls of ``ringfa4.attention`` through ``cp`` chained as a model's layers chain them
+    (each layer's queries are the previous layer's output; k, v shared), then one backward with
+    ``do``: the host cost a layer pays inside a training step, where autograd's ``backward()`` entry
+    and its device-thread hand-off come once a step, not once a layer as in :func:`cp_step`."""
+    def run(q, k, v, do):
+        if backward:
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = q
+        for _ in range(layers):
+            out = ringfa4.attention(out, k, v, cp=cp, causal=causal)
+        if backward:
+            out.backward(do)
+    return run
+
+
 def median_ms(fn, sets, rep: int = 200) -> float:
     """Median time (ms) of ``fn`` over rotating input ``sets``, by ``triton.testing.do_bench``."""
     from triton.testing import do_bench

@@ -18,6 +18,10 @@ the part of a forward+backward call's host time spent inside the ring's autograd
 runs in autograd's device thread (the rest of the backward's share is the engine and the thread hand-off);
 ``calling_thread_us_per_rank_step``: the same forward+backward with its backward on the calling thread
 (``torch.autograd.set_multithreading_enabled(False)``), which tells the device thread's own cost apart;
+``layers_us_per_rank_step``: a layer's share of ``layers`` calls chained as a model's layers are, with one
+backward (``--layers``, as many as keep the launches within CUDA's queue): a training step pays autograd's
+``backward()`` entry and its device-thread hand-off once, not once a layer (the baselines' "autograd alone"
+rows: what that costs);
 and with ``--profile`` the functions where one call's host time goes (cProfile, own and cumulative time,
 top 50; ``inside_backward``: the same inside the autograd thread's ring backward). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
@@ -49,7 +53,7 @@ import statistics
 import time
 
 import torch
-from _common import calls_alone, cp_step, executor_step, full_call, interleaved_ms, median_ms, rotating
+from _common import calls_alone, cp_layers_step, cp_step, executor_step, full_call, interleaved_ms, median_ms, rotating
 
 import ringfa4
 from ringfa4 import RingOptions
@@ -326,6 +330,16 @@ def bench_dense(P: int, tokens: int, be, args, cycles: int) -> list[dict]:
                                       args.queued_ms, args.reps)
                     row["calling_thread_us_per_rank_step"] = calling["us"] / rank_steps
                     row["calling_thread_min_us_per_rank_step"] = calling["min_us"] / rank_steps
+                # a layer's share of a chain of calls with one backward (a model's step), as many layers as
+                # keep the chain's launches within CUDA's launch queue (about a thousand) behind the sleep
+                layers = min(args.layers, int(900 // max(row["launches_per_rank_step"] * rank_steps, 1)))
+                if layers > 1:
+                    chain = host_us(rotating(cp_layers_step(cps[mode], backward, layers), sets), cycles,
+                                    args.queued_ms, args.reps)
+                    row["layers"] = layers
+                    row["layers_us_per_rank_step"] = chain["us"] / (layers * rank_steps)
+                    row["layers_min_us_per_rank_step"] = chain["min_us"] / (layers * rank_steps)
+                    row["layers_waited"] = chain["waited"]
             if backward and inside.us:  # of the host time: inside the ring's backward (autograd's thread)
                 row["inside_backward_us_per_rank_step"] = statistics.median(inside.us) / rank_steps
             if args.profile:
@@ -387,6 +401,10 @@ def main() -> None:
                          "new_shapes: once per call key)")
     ap.add_argument("--kv-heads", type=int, default=HK,
                     help="kv heads of the dense and packed rows (32: MHA, where the backward runs the q ring)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="eager rows also time a chain of up to this many calls with one backward (a model's "
+                         "layers; fewer where the launches would overfill CUDA's queue): layers_us_per_rank_step, "
+                         "a layer's share (1: off)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--queued-ms", type=float, default=400.0, help="GPU sleep queued before each timed call")
     ap.add_argument("--out", default="bench_results/host_cost.json")

@@ -445,6 +445,46 @@ def test_cp_step_backward_on_the_calling_thread(monkeypatch):
     assert seen == [False, True] and torch._C._is_multithreading_enabled()
 
 
+def test_cp_layers_step_chains_calls_with_one_backward(monkeypatch):
+    """cp_layers_step: L ring calls, each on the previous one's output, and one backward() that runs
+    all L ring backwards (autograd's entry once a step, as in a model), which reach q, k and v."""
+    from _common import cp_layers_step
+
+    from ringfa4.parallel.context import _RingAttention
+
+    counts = {"fwd": 0, "bwd": 0, "engine": 0}
+    fwd, bwd, engine = _RingAttention.forward, _RingAttention.backward, torch.autograd.backward
+    firsts = []
+
+    def spy_fwd(ctx, q, *args):
+        counts["fwd"] += 1
+        firsts.append(q)
+        return fwd(ctx, q, *args)
+
+    def spy_bwd(ctx, *grads):
+        counts["bwd"] += 1
+        got = bwd(ctx, *grads)
+        assert all(g is not None and bool(g.abs().sum() > 0) for g in got[:3])  # dq, dk, dv of this layer
+        return got
+
+    def spy_engine(*args, **kwargs):
+        counts["engine"] += 1
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(_RingAttention, "forward", staticmethod(spy_fwd))
+    monkeypatch.setattr(_RingAttention, "backward", staticmethod(spy_bwd))
+    monkeypatch.setattr(torch.autograd, "backward", spy_engine)
+    cp = ringfa4.ContextParallel.simulated(2, backend="reference")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    cp_layers_step(cp, True, 3)(q, k, v, do)
+    assert counts == {"fwd": 3, "bwd": 3, "engine": 1}
+    assert firsts[0].is_leaf and not firsts[1].is_leaf  # layer 2's queries are layer 1's output
+    counts.update(fwd=0, bwd=0, engine=0)
+    cp_layers_step(cp, False, 3)(q, k, v, do)
+    assert counts == {"fwd": 3, "bwd": 0, "engine": 0}
+
+
 def test_host_cost_times_the_ring_backward_where_it_runs():
     """host_cost.InsideBackward: one timed entry per ring backward (the autograd thread's share of a
     call), a profile of it when asked, and the Function's own backward back afterwards."""
