@@ -60,6 +60,23 @@ def test_inputs_that_are_views_with_other_offsets_are_read_where_they_are():
     assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1])
 
 
+def _byte_sums(a, b):
+    """Byte views of two inputs (one storage or two) at several offsets, read into a fresh output."""
+    out = torch.zeros(4, dtype=torch.int64)
+    for i, x in enumerate((a, a[1:], b, b[2:])):
+        out[i] = x.view(torch.uint8).sum()
+    return out
+
+
+def test_inputs_seen_as_bytes_are_read_where_they_are_one_retyped_storage_or_two():
+    base = torch.randn(10, 3)
+    _, out, tape = _record(_byte_sums, [base[1:5], base[5:9]])  # two inputs of one storage
+    assert tape is not None and tape.verify([base[1:5], base[5:9]], out, exact=True) is None
+    for a, b in ((torch.randn(12, 3)[3:7], torch.randn(12, 3)[2:6]),  # two storages, other offsets
+                 (lambda t: (t[0:4], t[6:10]))(torch.randn(12, 3))):  # one storage, other offsets
+        assert torch.equal(tape.replay([a, b]), _byte_sums(a, b))
+
+
 def _unseen_write(q):
     """A 'kernel' the dispatcher does not see: a write through numpy."""
     buf = torch.empty_like(q)

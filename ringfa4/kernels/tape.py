@@ -463,7 +463,7 @@ class Tape:
                     typed[i, dt] = raw.view(dt)
             if poison:
                 next(t for (j, _), t in typed.items() if j == i).view(torch.uint8).fill_(255)
-        views = []
+        views, retyped = [], {}
         for s in self.slots:
             if s.kind == "new":
                 views.append(torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=self.device))
@@ -483,8 +483,12 @@ class Tape:
                 continue
             x = inputs[s.src]
             start = x.storage_offset() * x.element_size() + s.byte_offset
-            if s.dtype != x.dtype:
-                x = torch.empty(0, dtype=s.dtype, device=x.device).set_(x.untyped_storage())
+            if s.dtype != x.dtype:  # one retyped tensor a storage and dtype, shared by its slots
+                key = (x.data_ptr() - x.storage_offset() * x.element_size(), s.dtype)  # (the storage's start)
+                base = retyped.get(key)
+                if base is None:
+                    base = retyped[key] = torch.empty(0, dtype=s.dtype, device=x.device).set_(x.untyped_storage())
+                x = base
             views.append(x.as_strided(s.shape, s.stride, start // s.dtype.itemsize))
         return views
 
