@@ -208,11 +208,11 @@ def test_mixed_dtype_pieces_go_as_bytes_where_they_can():
     """A hop's pieces of several dtypes become byte views of the same memory (one multi-tensor copy
     of one dtype); pieces of one dtype, a pair whose dtypes differ, or a piece whose last dim is
     strided stay as they are."""
-    from ringfa4.parallel.transport import _one_dtype
+    from ringfa4.kernels.copies import one_dtype
 
     k, acc = torch.randn(2, 3, 4).bfloat16(), torch.randn(5)
     dk, dacc = torch.empty_like(k), torch.empty_like(acc)
-    dsts, srcs = _one_dtype((dk, dacc), (k, acc))
+    dsts, srcs = one_dtype((dk, dacc), (k, acc))
     assert all(t.dtype == torch.uint8 for t in dsts + srcs)
     assert dsts[0].data_ptr() == dk.data_ptr() and srcs[1].data_ptr() == acc.data_ptr()
     torch._foreach_copy_(dsts, srcs)
@@ -222,9 +222,33 @@ def test_mixed_dtype_pieces_go_as_bytes_where_they_can():
     strided = ((torch.empty(4, 4).bfloat16()[:, ::2], torch.empty(3)), (torch.empty(4, 4).bfloat16()[:, ::2],
                                                                          torch.empty(3)))
     for a, b in ((same, same), differ, strided):
-        got = _one_dtype(a, b)
+        got = one_dtype(a, b)
         assert got[0] is a and got[1] is b
 
+
+
+def test_copy_all_is_one_multi_tensor_copy_a_dtype_at_most(foreach_launches):
+    """What a CUDA-graph replay copies in and out (``copy_all``): every pair copied; mixed dtypes that
+    take byte views in one multi-tensor copy, a strided bf16 piece beside fp32 ones in one a dtype;
+    lists of different lengths refused."""
+    from ringfa4.kernels.copies import copy_all
+
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(2, 8, 4, generator=g).bfloat16(), torch.randn(3, 5, generator=g),
+            torch.randn(6, generator=g).bfloat16()]
+    dsts = [torch.empty_like(s) for s in srcs]
+    copy_all(dsts, srcs)
+    assert len(foreach_launches) == 1 and all(t.dtype == torch.uint8 for t in foreach_launches[0])
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    strided = torch.randn(4, 8, generator=g).bfloat16()[:, ::2]
+    srcs2 = [strided, srcs[1], torch.randn(7, generator=g), srcs[2]]
+    dsts2 = [torch.empty_like(s) for s in srcs2]
+    foreach_launches.clear()
+    copy_all(dsts2, srcs2)
+    assert sorted(len(x) for x in foreach_launches) == [2, 2]
+    assert all(torch.equal(d, s) for d, s in zip(dsts2, srcs2))
+    with pytest.raises(ValueError, match="2 destinations for 3 sources"):
+        copy_all(dsts[:2], srcs)
 
 def test_loopback_hop_of_pieces_is_one_copy_per_rank(foreach_launches):
     """A ring hop whose rank sends several pieces (the first K/V hop: K and V; the q side's first:

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..kernels.copies import one_dtype
 from ..kernels.tape import launch
 
 __all__ = ["LoopbackTransport", "Moves", "P2PTransport", "Pending", "Transport"]
@@ -52,24 +53,6 @@ def _poison_(buf: torch.Tensor) -> None:
 
 def _pieces(x) -> tuple[torch.Tensor, ...]:
     return x if isinstance(x, tuple) else (x,)
-
-
-def _one_dtype(dsts: tuple[torch.Tensor, ...], srcs: tuple[torch.Tensor, ...]) -> tuple[tuple, tuple]:
-    """A hop's pieces of several dtypes (e.g. bf16 K/V with fp32 dK/dV) as bytes, so that one
-    multi-tensor copy moves them all, as one NCCL batch does (a multi-tensor copy of mixed dtypes
-    runs a copy a piece); unchanged where they share a dtype, where a pair differs in dtype, or
-    where a piece's last dim is strided (no byte view)."""
-    first, mixed = srcs[0].dtype, False
-    for d, s in zip(dsts, srcs):
-        if d.dtype != s.dtype:
-            return dsts, srcs
-        mixed = mixed or s.dtype != first
-    if not mixed:
-        return dsts, srcs
-    try:
-        return tuple([d.view(torch.uint8) for d in dsts]), tuple([s.view(torch.uint8) for s in srcs])
-    except RuntimeError:
-        return dsts, srcs
 
 
 def _first(bufs: list) -> torch.Tensor:
@@ -308,7 +291,7 @@ class LoopbackTransport(Transport):
             dsts, srcs = _pieces(recv[(i + offset) % n]), _pieces(send[i])
             if len(dsts) != len(srcs):
                 raise ValueError(f"a hop sends {len(srcs)} pieces into {len(dsts)}")
-            per_rank.append(_one_dtype(dsts, srcs) if len(srcs) > 1 else (dsts, srcs))
+            per_rank.append(one_dtype(dsts, srcs) if len(srcs) > 1 else (dsts, srcs))
         if stream is None:
             for dsts, srcs in per_rank:
                 torch._foreach_copy_(dsts, srcs)

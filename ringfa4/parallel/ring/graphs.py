@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...kernels.copies import copy_all
 from .run import RingRun
 
 __all__ = ["RingGraphs"]
@@ -150,11 +151,13 @@ class RingGraphs:
             cap = self.entry(key, run, lambda: self._capture(fn, run, lists, key))
             if cap is None:
                 return fn(run, *lists)
-            for dst, src in zip(cap.inputs, flat):
-                dst.copy_(src)
+            copy_all(cap.inputs, flat)  # one multi-tensor copy (a dtype at most), not one a tensor
             cap.graph.replay()
             run.transport.after_replay(device)
-            return tuple([o.clone() for o in lst] for lst in cap.outputs)
+            outputs = _flat(cap.outputs)
+            copies = [torch.empty_like(o) for o in outputs]
+            copy_all(copies, outputs)
+            return _unflat(copies, cap.outputs)
 
     def entry(self, key: tuple, run: RingRun, capture: Callable[[], _Captured | None],
               wanted: int | None = None) -> _Captured | None:
