@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ringfa4.kernels.spec import AttnSpec
+from ringfa4.kernels.spec import AttnSpec, write_each_group
 from ringfa4.kernels.tape import launch
 
 __all__ = ["NullBackend"]
@@ -98,6 +98,9 @@ class _NullLayout:
     def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
         dk.copy_(buf[: self.half].view(self.shape)[:, :rows])
         dv.copy_(buf[self.half:].view(self.shape)[:, :rows])
+
+    def write_groups(self, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        write_each_group(self, bufs, rows, dk, dv)
 
 
 def _null_block(k, v, dk_acc, dv_acc) -> None:

@@ -75,8 +75,9 @@ def ring_case_backend_layout(layout, shape, kw, align):
         res = ring_case(layout, torch.float64, shape, kw, 7)
     finally:
         _ReferenceAccum.kv_layout = own
-    # the distributed run's layouts come first: the whole-head one, then (in place) one per kv-head group
-    res["used"] = [m.dense_calls > 0 for m in made[:3]]
+    # the distributed run's layouts come first: the whole-head one, then (in place) one per kv-head group;
+    # "groups": the groups' write in one pass (called on group 0's), "each": a write a group
+    res["used"] = ["groups" if m.group_writes else "each" if m.dense_calls else None for m in made[:3]]
     return res
 
 

@@ -135,7 +135,7 @@ class HeadMajorGrads:
 
     def __init__(self, k, cap, align):
         self.shape = (k.shape[0], k.shape[2], cap, k.shape[3])
-        self.numel, self.align, self.dense_calls = 2 * math.prod(self.shape), align, 0
+        self.numel, self.align, self.dense_calls, self.group_writes = 2 * math.prod(self.shape), align, 0, 0
 
     def _halves(self, buf):
         return buf[: self.numel // 2].view(self.shape), buf[self.numel // 2:].view(self.shape)
@@ -152,6 +152,22 @@ class HeadMajorGrads:
         dk_f, dv_f = self.dense(buf, rows)
         dk.copy_(dk_f)
         dv.copy_(dv_f)
+
+    def write_groups(self, bufs, rows, dk, dv):
+        """One copy a tensor for all groups where they are evenly spaced in one buffer (b = 1), as FA4's
+        tile layout does it (counted in ``group_writes``); else a write a group."""
+        from ringfa4.kernels.spec import group_stride, write_each_group
+
+        step = group_stride(bufs, self.numel) if self.shape[0] == 1 else None
+        if step is None:
+            write_each_group(self, bufs, rows, dk, dv)
+            return
+        self.group_writes += 1
+        G, (_, h, cap, d) = len(bufs), self.shape
+        for i, out in enumerate((dk, dv)):
+            offset = bufs[0].storage_offset() + i * self.numel // 2
+            acc = bufs[0].as_strided((G, h, cap, d), (step, cap * d, d, 1), offset)
+            out.view(out.shape[1], G, h, d).permute(1, 2, 0, 3).copy_(acc[:, :, :rows])
 
 
 def run_triton_script(script: str, interpret: bool):

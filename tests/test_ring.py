@@ -133,8 +133,9 @@ def test_gloo_fp32_grads_in_a_backend_layout(pools, layout, kw, native):
     res = pools(world).run("ring_case_backend_layout", layout, shape, kw, 16)
     assert all(status == "ok" for status, _ in res), res
     assert all(value["identical"] for _, value in res), "distributed and simulated executors differ"
-    # native: the blocks added in place into the two kv-head groups' layouts, not the whole-head one
-    assert all(value["used"] == ([False, True, True] if native else [False] * len(value["used"]))
+    # native: the blocks added in place into the two kv-head groups' layouts, not the whole-head one, and
+    # at home the groups' buffers are evenly spaced in one: one write for both (through group 0's layout)
+    assert all(value["used"] == ([None, "groups", None] if native else [None] * len(value["used"]))
                for _, value in res), res
     q, k, v, do = random_qkv(*shape[:2], shape[1], *shape[2:], dtype=torch.float64, seed=7)
     ref = reference_grads(q, k, v, do, **kw)
@@ -324,6 +325,65 @@ def test_fp32_block_gradients(P, h_kv, kw):
     assert all(torch.equal(a, b) for a, b in zip(grads(), fp32))
 
 
+def test_group_stride_finds_groups_cut_evenly_from_one_buffer():
+    """One strided view spans the head groups' buffers only where they are evenly spaced,
+    non-overlapping, contiguous views of one allocation, in order."""
+    from ringfa4.kernels.spec import group_stride
+
+    flat = torch.zeros(3 * 64)
+    even = [flat.narrow(0, g * 64, 48) for g in range(3)]
+    assert group_stride(even, 48) == 64 and group_stride(even[:2], 48) == 64
+    assert group_stride(even[:1], 48) is None  # one group: nothing to span
+    assert group_stride(even[::-1], 48) is None  # out of order
+    assert group_stride([flat.narrow(0, 0, 48), flat.narrow(0, 64, 48), flat.narrow(0, 140, 48)], 48) is None
+    assert group_stride([flat.narrow(0, 0, 48), flat.narrow(0, 40, 48)], 48) is None  # overlapping
+    assert group_stride(even, 40) is None  # not the layout's size
+    apart = [torch.zeros(48), torch.zeros(48)]
+    assert group_stride(apart, 48) is None  # two allocations, however they lie in memory
+    strided = flat.view(3, 64)[:, ::2]
+    assert group_stride([strided[0], strided[1]], 32) is None
+
+
+def test_fa4_tile_layout_writes_its_groups_as_one_batch(monkeypatch):
+    """FA4's tile layout writes G kv-head groups evenly spaced in one buffer with one dK and one dV
+    postprocess, the groups as the batch: each batch entry is exactly group g's accumulator half
+    and its heads of dk / dv (the same memory a write a group would use); b = 2, or groups from
+    separate buffers, take a write a group."""
+    from types import SimpleNamespace
+
+    from ringfa4.kernels.fa4 import bwd_accum
+
+    calls = []
+    monkeypatch.setattr(bwd_accum, "_kv_postprocess", lambda acc, out, state, scale: calls.append((acc, out, scale)))
+    state = SimpleNamespace(plan=SimpleNamespace(kv_align=128), head_dim_rounded=128, softmax_scale=0.125)
+    G, h_g, rows, d = 2, 2, 200, 128
+    k = torch.zeros(1, rows, h_g, d, dtype=torch.bfloat16)
+    lay = bwd_accum.TileKVLayout(state, k, rows)
+    flat = torch.zeros(G * lay.numel)
+    bufs = [flat.narrow(0, g * lay.numel, lay.numel) for g in range(G)]
+    dk, dv = (torch.zeros(1, rows, G * h_g, d, dtype=torch.bfloat16) for _ in range(2))
+    lay.write_groups(bufs, rows, dk, dv)
+    assert [c[2] for c in calls] == [0.125, 1.0] and all(c[0].shape[0] == G == c[1].shape[0] for c in calls)
+    for (acc, out, _), half, whole in zip(calls, range(2), (dk, dv)):
+        for g in range(G):
+            mine = lay._halves(bufs[g])[half][0]
+            assert acc[g].shape == mine.shape and acc[g].stride() == mine.stride()
+            assert acc[g].data_ptr() == mine.data_ptr()
+            theirs = whole.narrow(2, g * h_g, h_g)[0]
+            assert out[g].shape == theirs.shape and out[g].stride() == theirs.stride()
+            assert out[g].data_ptr() == theirs.data_ptr()
+    calls.clear()
+    lay.write_groups([torch.zeros(lay.numel) for _ in range(G)], rows, dk, dv)
+    assert len(calls) == 2 * G and all(c[0].shape[0] == 1 for c in calls)  # a write a group
+    calls.clear()
+    k2 = torch.zeros(2, rows, h_g, d, dtype=torch.bfloat16)
+    lay2 = bwd_accum.TileKVLayout(state, k2, rows)
+    flat2 = torch.zeros(G * lay2.numel)
+    dk2, dv2 = (torch.zeros(2, rows, G * h_g, d, dtype=torch.bfloat16) for _ in range(2))
+    lay2.write_groups([flat2.narrow(0, g * lay2.numel, lay2.numel) for g in range(G)], rows, dk2, dv2)
+    assert len(calls) == 2 * G and all(c[0].shape[0] == 2 for c in calls)
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("align,window,native", [(16, None, True), (4, (20, 0), True), (8, (20, 0), False)])
 def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypatch):
@@ -331,7 +391,8 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     (FA4: its tile layout) and give the same gradients as the dense layout, bit for bit; a
     schedule with a block starting off the layout's alignment falls back to the dense layout. With
     ``dkv_groups=2`` the blocks add in place into two travelling kv-head groups, each in a layout
-    of its own (one per group, gathered once per rank at the end)."""
+    of its own (one per group), both written out in one pass a rank at the end (b = 1: the groups'
+    buffers are evenly spaced in one allocation at home)."""
     from ringfa4.kernels.reference import _ReferenceAccum
 
     P, S = 4, 2 * 4 * 16  # zigzag chunks of 16 rows; the window's blocks start at kv rows 0, 12, 16, 28
@@ -348,9 +409,14 @@ def test_fp32_grads_in_a_backend_layout(align, window, native, groups, monkeypat
     monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
         HeadMajorGrads(k, cap, align)) or made[-1])
     got = grads()
-    used = [lay for lay in made if lay.dense_calls]
-    assert len(used) == (groups if native else 0), [m.dense_calls for m in made]
-    assert all(lay.dense_calls == P and lay.shape[1] == 2 // groups for lay in used)
+    if groups == 2 and native:  # at home the groups' buffers are evenly spaced in one: a write for both
+        batched = [lay for lay in made if lay.group_writes]
+        assert len(batched) == 1 and batched[0].group_writes == P and batched[0].shape[1] == 1, made
+        assert not any(lay.dense_calls for lay in made)
+    else:
+        used = [lay for lay in made if lay.dense_calls]
+        assert len(used) == (groups if native else 0), [m.dense_calls for m in made]
+        assert all(lay.dense_calls == P and lay.shape[1] == 2 // groups for lay in used)
     assert all(torch.equal(a, b) for a, b in zip(got, dense))
 
 
@@ -385,8 +451,11 @@ def test_in_place_groups_send_the_data_with_group_0s_accumulators(side, monkeypa
     dense = grads()
     steps = active_steps(cp.run(q, AttnSpec(causal=True)).schedule)
     assert len(hops) == (2 * steps if side == "q" else (steps - 1) + steps), hops  # kv dense: one group
-    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: HeadMajorGrads(k, cap, 1))
+    made = []
+    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
+        HeadMajorGrads(k, cap, 1)) or made[-1])
     got = grads()
+    assert sum(m.group_writes for m in made) == P  # both groups' dK/dV written in one pass a rank
     assert len(hops) == 2 * steps, hops
     first = 3 if side == "kv" else 5  # K, V (q, dout, out, lse) as pieces on the first hop, then one buffer
     assert hops.count(first) == 1 and hops.count(2) == steps - 2, hops

@@ -162,6 +162,30 @@ def test_taped_ring_calls_equal_untaped_ones_bit_for_bit(P, layout, h, hk, kw):
     assert plain.tapes is None
 
 
+
+def test_taped_head_groups_written_in_one_pass_equal_untaped_calls(monkeypatch):
+    """fp32 block gradients in place in two kv-head groups of a backend's own layout, written out in one
+    pass for both groups (strided views spanning the groups' buffers, into a permuted view of dk / dv):
+    the taped backward equals the untaped one bit for bit, and both wrote the groups in one pass."""
+    from helpers import HeadMajorGrads
+
+    from ringfa4.kernels.reference import _ReferenceAccum
+
+    made = []
+    monkeypatch.setattr(_ReferenceAccum, "kv_layout", lambda self, k, cap: made.append(
+        HeadMajorGrads(k, cap, 1)) or made[-1])
+    opts = RingOptions(fp32_grads=True, dkv_groups=2)
+    taped = ContextParallel.simulated(4, backend="reference", options=opts.replace(launch_tapes="on"))
+    plain = ContextParallel.simulated(4, backend="reference", options=opts.replace(launch_tapes="off"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*launch_tapes.*")
+        for seed in (1, 2, 3):
+            got = _fwd_bwd(taped, *_qkv(96, 4, 2, seed, torch.bfloat16), seed, causal=True)
+            want = _fwd_bwd(plain, *_qkv(96, 4, 2, seed, torch.bfloat16), seed, causal=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), seed
+    assert taped.tapes.recorded == 2
+    assert sum(lay.group_writes for lay in made) == (3 + 2) * 4  # a write a rank: plain 3 calls, taped 2 (+ 1 replay)
+
 def test_packs_are_taped_at_their_second_call_and_stay_exact():
     P = 4
     taped = ContextParallel.simulated(P, backend="reference", options=RingOptions(launch_tapes="on"))

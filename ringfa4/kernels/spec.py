@@ -23,7 +23,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 __all__ = ["AccumBackward", "AttnSpec", "BackendUnsupported", "BlockBackend", "KVGradLayout", "PlainBackend",
-           "Written", "allowed_band", "band_mask", "check_grads", "materialized"]
+           "Written", "allowed_band", "band_mask", "check_grads", "group_stride", "materialized",
+           "write_each_group"]
 
 
 class BackendUnsupported(NotImplementedError):
@@ -304,7 +305,10 @@ class KVGradLayout(Protocol):
     that add elementwise; ``cols(buf, rows, k0, k1)`` gives what ``add_block`` receives as
     ``dk_acc, dv_acc`` for kv rows ``[k0, k1)`` (k0 a multiple of ``align``);
     ``write(buf, rows, dk, dv)`` puts the finished ``(b, rows, h_kv, d)`` dk, dv into ``dk, dv``
-    (the inputs' dtype). Every rank must be offered the same layout (the buffers travel)."""
+    (the inputs' dtype); ``write_groups(bufs, rows, dk, dv)`` does it for ``G = len(bufs)`` kv-head
+    groups of this layout's width, in order, into ``dk, dv (b, rows, G * h_kv, d)`` (contiguous):
+    one pass for all groups where it can (:func:`group_stride`), else :func:`write_each_group`.
+    Every rank must be offered the same layout (the buffers travel)."""
 
     numel: int
     align: int
@@ -313,6 +317,37 @@ class KVGradLayout(Protocol):
     def cols(self, buf: torch.Tensor, rows: int, k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def write(self, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
+
+    def write_groups(self, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None: ...
+
+
+def write_each_group(layout: KVGradLayout, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor,
+                     dv: torch.Tensor) -> None:
+    """``layout.write`` of each head group ``g`` (``bufs[g]``) into its kv heads of ``dk, dv (b, rows,
+    G * h_g, d)`` (the groups of equal width ``h_g``, in order)."""
+    width = dk.shape[2] // len(bufs)
+    for g, buf in enumerate(bufs):
+        layout.write(buf, rows, dk.narrow(2, g * width, width), dv.narrow(2, g * width, width))
+
+
+def group_stride(bufs: list[torch.Tensor], numel: int) -> int | None:
+    """The distance in elements between consecutive head groups' buffers ``bufs`` (each ``numel``
+    contiguous elements, one dtype) where they are evenly spaced, non-overlapping views of one
+    allocation in order (a ring's groups' accumulators, cut from one buffer: one strided view over
+    them all addresses every group); else None (also for one group)."""
+    first = bufs[0]
+    if len(bufs) < 2:
+        return None
+    item, base = first.element_size(), first.untyped_storage().data_ptr()
+    step, rest = divmod(bufs[1].data_ptr() - first.data_ptr(), item)
+    if rest or step < numel:
+        return None
+    for g, buf in enumerate(bufs):
+        if (buf.dtype != first.dtype or buf.numel() != numel or not buf.is_contiguous()
+                or buf.data_ptr() != first.data_ptr() + g * step * item
+                or (g and buf.untyped_storage().data_ptr() != base)):
+            return None
+    return step
 
 
 class AccumBackward(Protocol):

@@ -450,6 +450,28 @@ class TileKVLayout:
         dk.copy_(dk_f)
         dv.copy_(dv_f)
 
+    def write_groups(self, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """The finished sums of ``G = len(bufs)`` kv-head groups of this layout's width, in order, into
+        ``dk, dv (1, rows, G * h_kv, d)`` (contiguous, 16-bit): FA4's dK and dV postprocess once each for
+        all groups, the groups as the batch (``(G, h_kv, length)`` over the accumulators, ``(G, rows,
+        h_kv, d)`` over dk / dv), where the buffers are evenly spaced in one fp32 allocation
+        (:func:`~ringfa4.kernels.spec.group_stride`; a ring's accumulators are) and b = 1; else a write a
+        group (:func:`~ringfa4.kernels.spec.write_each_group`)."""
+        from ..spec import group_stride, write_each_group
+
+        G, d = len(bufs), dk.shape[-1]
+        step = group_stride(bufs, self.numel) if self.b == 1 and bufs[0].dtype == torch.float32 else None
+        if (step is None or dk.dtype not in _DTYPES or dv.dtype != dk.dtype or dk.shape[2] != G * self.h_kv
+                or not (dk.is_contiguous() and dv.is_contiguous())):
+            write_each_group(self, bufs, rows, dk, dv)
+            return
+        first, half = bufs[0], self.numel // 2
+        acc_k, acc_v = (first.as_strided((G, self.h_kv, self.length), (step, self.length, 1),
+                                         first.storage_offset() + i * half) for i in range(2))
+        out_k, out_v = (t.view(t.shape[1], G, self.h_kv, d).permute(1, 0, 2, 3) for t in (dk, dv))
+        _kv_postprocess(acc_k, out_k, self.state, self.state.softmax_scale)
+        _kv_postprocess(acc_v, out_v, self.state, 1.0)
+
     def dense(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``dk, dv (b, rows, h_kv, d)`` (dK scaled by the softmax scale, float32; dV in the buffer's dtype)."""
         dk, dv = self._halves(buf)  # dK unscaled (fp32 before scaling, also on a 16-bit wire: one rounding)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.spec import write_each_group
 from ..memo import ViewMemo
 from . import calls
 from .buffers import KVBuffers
@@ -100,8 +101,10 @@ class AccumGradSink:
             k, v = self.ks[i], self.vs[i]
             dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            for g, (a, b) in enumerate(self.heads):
-                write_dkv(self.layouts[g], bufs[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
+            if self.groups == 1:
+                write_dkv(self.layouts[0], bufs[0][i], n, dk, dv)
+            else:  # groups of equal width, in order: one pass for all where the layout can
+                self.layouts[0].write_groups([grp[i] for grp in bufs], n, dk, dv)
             dks.append(dk)
             dvs.append(dv)
         return dks, dvs
@@ -130,6 +133,9 @@ class DenseGrads:
         dk_f, dv_f = self.bufs.view(buf, rows)
         dk.copy_(dk_f)
         dv.copy_(dv_f)
+
+    def write_groups(self, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        write_each_group(self, bufs, rows, dk, dv)
 
 
 def grad_layout(run: RingRun, states: list, k: torch.Tensor, gbufs: KVBuffers):

@@ -85,7 +85,7 @@ class QSide:
         q_per = qs[0].shape[2] // ks[0].shape[2]
         self.q_heads = [(a * q_per, b * q_per) for a, b in heads]
         self.ring = _QSideRing([st.travel() for st in states])
-        self.dkv = [[torch.zeros(lay.numel, dtype=lay.dtype, device=k.device) for k in ks] for lay in layouts]
+        self.dkv = _home_accumulators(layouts, ks)
         self.visitor = {}  # (rank, step) -> the rank whose q side it holds: source(visitor, step) = rank
         for r in run.ranks:
             for t in range(run.active_steps):
@@ -138,8 +138,10 @@ class QSide:
             dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's strides
             dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             n = rows_of(self.run, r)
-            for g, (a, b) in enumerate(self.kv_heads):
-                write_dkv(self.layouts[g], self.dkv[g][i], n, dk.narrow(2, a, b - a), dv.narrow(2, a, b - a))
+            if self.groups == 1:
+                write_dkv(self.layouts[0], self.dkv[0][i], n, dk, dv)
+            else:  # groups of equal width, in order: one pass for all where the layout can
+                self.layouts[0].write_groups([grp[i] for grp in self.dkv], n, dk, dv)
             dks.append(dk)
             dvs.append(dv)
         return dks, dvs
@@ -172,3 +174,19 @@ def make_q_side(run: RingRun, states: list, qs, ks, vs) -> QSide:
         layouts.append(grad_layout(run, [states[0].heads(a * q_per, b * q_per)], k_g,
                                    KVBuffers(k_g, v_g, cap, dtype=acc_dtype(qs[0]))))
     return QSide(run, states, layouts, heads, (qs, ks, vs))
+
+
+def _home_accumulators(layouts: list, ks: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``[g][i]``: kv-head group g's zeroed dK/dV accumulator of local rank i, all views of one buffer
+    zeroed in one launch, a rank's groups evenly spaced (each on a 256-byte boundary: one pass writes
+    them out, :meth:`~ringfa4.kernels.spec.KVGradLayout.write_groups`); buffers of their own where the
+    groups' layouts differ in size or dtype."""
+    first = layouts[0]
+    if any(lay.numel != first.numel or lay.dtype != first.dtype for lay in layouts):
+        return [[torch.zeros(lay.numel, dtype=lay.dtype, device=k.device) for k in ks] for lay in layouts]
+    item = first.dtype.itemsize
+    span = -(-first.numel * item // 256) * 256 // item
+    G = len(layouts)
+    flat = torch.zeros(len(ks) * G * span, dtype=first.dtype, device=ks[0].device)
+    return [[flat.narrow(0, (i * G + g) * span, first.numel) for i in range(len(ks))] for g in range(G)]
+
