@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ringfa4.kernels.spec import AttnSpec, write_each_group
+from ringfa4.kernels.spec import AttnSpec, group_stride, write_each_group
 from ringfa4.kernels.tape import launch
 
 __all__ = ["NullBackend"]
@@ -100,7 +100,16 @@ class _NullLayout:
         dv.copy_(buf[self.half:].view(self.shape)[:, :rows])
 
     def write_groups(self, bufs: list[torch.Tensor], rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        write_each_group(self, bufs, rows, dk, dv)
+        """As FA4's tile layout: one pass a tensor for all groups where they are evenly spaced in one
+        buffer (b = 1), else a write a group."""
+        step = group_stride(bufs, self.numel) if self.shape[0] == 1 else None
+        if step is None:
+            write_each_group(self, bufs, rows, dk, dv)
+            return
+        G, (_, cap, h, d) = len(bufs), self.shape
+        for i, out in enumerate((dk, dv)):
+            acc = bufs[0].as_strided((G, cap, h, d), (step, h * d, d, 1), bufs[0].storage_offset() + i * self.half)
+            out.view(out.shape[1], G, h, d).permute(1, 0, 2, 3).copy_(acc[:, :rows])
 
 
 def _null_block(k, v, dk_acc, dv_acc) -> None:

@@ -150,18 +150,20 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
     """fp32_grads on the fa4 backend (sm90: kernels/fa4/bwd_accum.py): P = 16 causal ring
     gradients within 1.1x one full FA4 call's error against float64 (MHA and GQA), and at least as
     accurate as with bf16 block gradients. dK/dV travel in FA4's tile layout (two kv-head groups,
-    reduce-added in place) where every block starts on a kv tile (causal zigzag blocks start at kv
-    row 0, also with chunks of 100 rows), else dense (this window's blocks start at kv rows 68 and
-    324). With dK/dV travelling in bf16 (``dkv_wire="input"``, one rounding a hop) dk / dv
-    are only held to the bf16-gradient ring."""
+    reduce-added in place, written out in one pass for both) where every block starts on a kv tile
+    (causal zigzag blocks start at kv row 0, also with chunks of 100 rows), else dense (this window's
+    blocks start at kv rows 68 and 324). With dK/dV travelling in bf16 (``dkv_wire="input"``, one
+    rounding a hop) dk / dv are only held to the bf16-gradient ring."""
     from ringfa4.kernels.fa4 import bwd_accum as acc
 
     P = 16
     kw = dict(causal=True) if window is None else dict(causal=True, window=window)
-    gathered = []
-    write = acc.TileKVLayout.write
+    gathered = []  # a write a group (its rows), or ("groups", rows): the groups written in one pass
+    write, write_groups = acc.TileKVLayout.write, acc.TileKVLayout.write_groups
     monkeypatch.setattr(acc.TileKVLayout, "write", lambda self, buf, rows, dk, dv: gathered.append(rows) or write(
         self, buf, rows, dk, dv))
+    monkeypatch.setattr(acc.TileKVLayout, "write_groups", lambda self, bufs, rows, dk, dv: gathered.append(
+        ("groups", rows)) or write_groups(self, bufs, rows, dk, dv))
     q, k, v, do = random_qkv(1, S, S, 8, h_kv, 128, dtype=torch.bfloat16, device="cuda", seed=h_kv)
     ref, full = _fa4_full_grads(q, k, v, do, kw)
     def cp(fp32_grads):
@@ -170,8 +172,9 @@ def test_ring_fp32_block_gradients_fa4(h_kv, S, window, wire, monkeypatch):
 
     bf16 = _run(cp(False), q, k, v, do, **kw)[2:]
     fp32 = _run(cp(True), q, k, v, do, **kw)[2:]
-    groups = 2 if wire == "fp32" else 1  # in place, in two kv-head groups (dkv_groups=2)
-    assert gathered == ([S // P] * P * groups if window is None else []), gathered
+    # fp32 wire: in place in two kv-head groups (dkv_groups=2), both written in one pass a rank (b = 1)
+    want = [("groups", S // P) if wire == "fp32" else S // P] * P
+    assert gathered == (want if window is None else []), gathered
     for name, a, b, f, r in zip(("dq", "dk", "dv"), fp32, bf16, full, ref[2:]):
         e32, e16, ef = rel_err(a, r), rel_err(b, r), rel_err(f, r)
         if wire == "fp32" or name == "dq":
