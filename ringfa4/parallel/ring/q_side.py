@@ -189,4 +189,3 @@ def _home_accumulators(layouts: list, ks: list[torch.Tensor]) -> list[list[torch
     G = len(layouts)
     flat = torch.zeros(len(ks) * G * span, dtype=first.dtype, device=ks[0].device)
     return [[flat.narrow(0, (i * G + g) * span, first.numel) for i in range(len(ks))] for g in range(G)]
-
