@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..spec import group_stride, write_each_group
 from ..tape import launch
 from .bwd_plan import BwdPlan, make_kernel, plan, postprocess, preprocess, supported
 from .launch import PlanCache, aligned, plain, signature
@@ -457,8 +458,6 @@ class TileKVLayout:
         h_kv, d)`` over dk / dv), where the buffers are evenly spaced in one fp32 allocation
         (:func:`~ringfa4.kernels.spec.group_stride`; a ring's accumulators are) and b = 1; else a write a
         group (:func:`~ringfa4.kernels.spec.write_each_group`)."""
-        from ..spec import group_stride, write_each_group
-
         G, d = len(bufs), dk.shape[-1]
         step = group_stride(bufs, self.numel) if self.b == 1 and bufs[0].dtype == torch.float32 else None
         if (step is None or dk.dtype not in _DTYPES or dv.dtype != dk.dtype or dk.shape[2] != G * self.h_kv

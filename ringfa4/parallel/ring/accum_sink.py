@@ -13,7 +13,8 @@ from . import calls
 from .buffers import KVBuffers
 from .run import RingRun, acc_dtype, cap_of
 
-__all__ = ["AccumGradSink", "DenseGrads", "HeadGroups", "accum_states", "grad_layout", "write_dkv"]
+__all__ = ["AccumGradSink", "DenseGrads", "HeadGroups", "accum_states", "aligned_numel", "grad_layout",
+           "write_dkv"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class AccumGradSink:
         a 256-byte boundary."""
         starts = [0]
         for lay in self.layouts:
-            starts.append(starts[-1] + -(-lay.numel * self.dtype.itemsize // 256) * 256 // self.dtype.itemsize)
+            starts.append(starts[-1] + aligned_numel(lay.numel, self.dtype))
         flat = (torch.zeros if zeroed else torch.empty)(starts[-1], dtype=self.dtype, device=device)
         return [flat.narrow(0, a, lay.numel) for a, lay in zip(starts, self.layouts)]
 
@@ -108,6 +109,12 @@ class AccumGradSink:
             dks.append(dk)
             dvs.append(dv)
         return dks, dvs
+
+
+def aligned_numel(numel: int, dtype: torch.dtype) -> int:
+    """``numel`` elements of ``dtype`` rounded up to a whole number of 256-byte blocks, in elements: the
+    distance between accumulators cut from one buffer, each starting on a 256-byte boundary."""
+    return -(-numel * dtype.itemsize // 256) * 256 // dtype.itemsize
 
 
 def write_dkv(layout, buf: torch.Tensor, rows: int, dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ..memo import ViewMemo, numbered
 from . import calls
-from .accum_sink import grad_layout, write_dkv
+from .accum_sink import aligned_numel, grad_layout, write_dkv
 from .buffers import KVBuffers
 from .run import RingRun, acc_dtype, cap_of, rows_of
 
@@ -184,8 +184,6 @@ def _home_accumulators(layouts: list, ks: list[torch.Tensor]) -> list[list[torch
     first = layouts[0]
     if any(lay.numel != first.numel or lay.dtype != first.dtype for lay in layouts):
         return [[torch.zeros(lay.numel, dtype=lay.dtype, device=k.device) for k in ks] for lay in layouts]
-    item = first.dtype.itemsize
-    span = -(-first.numel * item // 256) * 256 // item
-    G = len(layouts)
+    span, G = aligned_numel(first.numel, first.dtype), len(layouts)
     flat = torch.zeros(len(ks) * G * span, dtype=first.dtype, device=ks[0].device)
     return [[flat.narrow(0, (i * G + g) * span, first.numel) for i in range(len(ks))] for g in range(G)]
