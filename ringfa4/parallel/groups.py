@@ -101,7 +101,10 @@ class SimulatedGroup:
         return torch.cat(lses, dim=head_dim)
 
 
-_CONTROL: dict[tuple, object] = {}
+# per default process group (dropped with it, so a re-initialised world never meets a destroyed one's
+# groups): {rank set: the gloo group its metadata checks run on} and {rank set: [epoch, data group]}
+_CONTROL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @atexit.register
@@ -114,6 +117,15 @@ def _release_groups() -> None:
     gc.collect()  # ContextParallel objects in reference cycles hold groups too
 
 
+def _of_world(cache: weakref.WeakKeyDictionary) -> dict:
+    """``cache``'s entries of the current default process group."""
+    world = dist.distributed_c10d._get_default_group()
+    mine = cache.get(world)
+    if mine is None:
+        mine = cache[world] = {}
+    return mine
+
+
 def new_local_group(ranks: list[int], timeout: datetime.timedelta):
     """A process group of ``ranks`` (global) that only its members create (hashed name)."""
     return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
@@ -123,27 +135,23 @@ def _control_group(group, ranks: list[int], timeout: datetime.timedelta):
     """The gloo group the metadata checks of ``ranks`` run on, one per rank set, whatever the data
     group's backend: no data ever moves on it, so a failed call's leftovers never meet the next
     call's check, and its tensors live on the CPU, so a check never waits for the GPU queue (an
-    all-gather on an NCCL group and its ``.tolist()`` drained the queue once per call)."""
-    key = (id(dist.distributed_c10d._get_default_group()), tuple(ranks))
-    if key not in _CONTROL:
-        _CONTROL[key] = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
-    return _CONTROL[key]
-
-
-_DATA: dict[tuple, list] = {}  # per rank set: [epoch, the gloo group the data of CP calls moves on]
-
-
-def _data_key(ranks: list[int]) -> tuple:
-    return (id(dist.distributed_c10d._get_default_group()), tuple(ranks))
+    all-gather on an NCCL group and its ``.tolist()`` drained the queue once per call). Under torch's
+    fake process group (one process standing for every rank: tracing, memory estimates, host-cost
+    benchmarks) a fake one: its collectives return at once, this rank's data as every rank's."""
+    mine, key = _of_world(_CONTROL), tuple(ranks)
+    if key not in mine:
+        backend = "fake" if dist.get_backend(group) == "fake" else "gloo"
+        mine[key] = dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
+    return mine[key]
 
 
 def _data_group(group, ranks: list[int], timeout: datetime.timedelta) -> list:
     """``[epoch, group]`` of ``ranks``' data: over gloo a group of our own (so a failed call never
     leaves anything on the user's group), renewed after a failed call; NCCL: ``group`` itself."""
-    key = _data_key(ranks)
-    if key not in _DATA:
-        _DATA[key] = [0, new_local_group(ranks, timeout) if dist.get_backend(group) == "gloo" else group]
-    return _DATA[key]
+    mine, key = _of_world(_DATA), tuple(ranks)
+    if key not in mine:
+        mine[key] = [0, new_local_group(ranks, timeout) if dist.get_backend(group) == "gloo" else group]
+    return mine[key]
 
 
 class DistributedGroup:
