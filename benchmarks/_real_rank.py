@@ -14,7 +14,10 @@ a stub: every hop copies the rank's own buffers into its receive buffers on the 
 - ``"nccl"``: real hops, the ranks an NCCL group with one GPU each (P GPUs; the data really moves).
 
 ``real_rank_rows(P, tokens, ...)`` spawns the ranks, times each rank's host microseconds per call
-(the queued-sleep method on CUDA, wall time on CPU) and returns rank 0's rows.
+(the queued-sleep method on CUDA, wall time on CPU) and returns rank 0's rows. With ``peers="stub"``
+rank 0 runs alone in this process, a member of torch's fake process group of P ranks (its
+collectives return at once, its own data as every rank's, so every check agrees): the same rank's
+host path without the spawned ranks' contention for one GPU and host.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ def _stub_p2p(transport, blocking: bool):
         def capture_blocker(self):  # GPU copies on the communication stream, as NCCL's hops would be
             return None
 
+        def tape_blocker(self):  # copies, events and watched waits: what a tape records of NCCL's hops
+            return None         # (P2PTransport.TAPED_NCCL), without NCCL's own host time a hop
+
         def shift(self, send, recv, offset):
             (s,), (r,) = send, recv
             device = _pieces(s)[0].device
@@ -126,67 +132,101 @@ def _profiled(call, steps: int) -> dict:
             "check_share": check / total if total else 0.0}
 
 
-def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
-    sys.path.insert(0, os.path.dirname(HERE))
+def _rank_rows(rank: int, world: int, spec: dict, barrier) -> list[dict]:
+    """This rank's rows (fwd, fwd+bwd) once its process group is up; ``barrier``: the ranks' CPU
+    barrier before each timed call (None for one process standing for all)."""
     import ringfa4
     from ringfa4.parallel import LoopbackTransport
 
-    torch.set_num_threads(1)
     nccl = spec["hops"] == "nccl"  # real NCCL hops, one GPU a rank (the two-GPU kind)
+    cuda = spec["device"] == "cuda"
+    dev = torch.device("cuda", rank if nccl else 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    null = spec["backend"] == "null"  # kernels that do nothing (executor_floor.py's real-rank rows)
+    dt = torch.bfloat16 if cuda or null else torch.float32
+    if null:
+        from _null_backend import NullBackend
+
+        spec = dict(spec, backend=NullBackend())
+    g = torch.Generator(device="cpu").manual_seed(rank)
+    n, (h, hk, d) = spec["tokens"], spec["heads"]
+    q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
+    opts = ringfa4.RingOptions.from_env().replace(**{"metadata_check": "every_call", "cuda_graphs": False,
+                                                     **spec["options"]})
+    # the stub hops: a hop copies this rank's own buffers into its receive buffers
+    if spec["hops"] == "loopback":
+        cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)
+    elif nccl:  # the library's own P2P transport over the NCCL group (stream-ordered waits)
+        cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
+    else:
+        cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
+        cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")
+    steps = cp.run(q, ringfa4.kernels.AttnSpec(causal=True)).active_steps
+    rows = []
+    for backward in (False, True):
+        def call(backward=backward):
+            qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+            out = ringfa4.attention(qq, kk, vv, cp=cp, causal=True)
+            if backward:
+                out.backward(do)
+        _host_us(call, 3, cuda, spec["cycles"], barrier)  # warm-up (compiles), the same count everywhere
+        times = _host_us(call, spec["reps"], cuda, spec["cycles"], barrier)
+        captured = cp.graphs is not None and any(cp.graphs.captured.values())
+        taped = cp.tapes is not None and cp.tapes.recorded > 0
+        rows.append({"path": "real-rank", "peers": "spawned" if barrier is not None else "stub",
+                     "hops": spec["hops"], "mode": "graphs" if captured else "eager",
+                     "metadata_check": opts.metadata_check, "taped": taped,
+                     "pass": "fwd+bwd" if backward else "fwd",
+                     "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
+                     "us_per_rank_step": statistics.median(times) / steps,
+                     "min_us_per_rank_step": min(times) / steps, **_profiled(call, steps)})
+    return rows
+
+
+def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
+    sys.path.insert(0, os.path.dirname(HERE))
+    torch.set_num_threads(1)
+    nccl = spec["hops"] == "nccl"
     dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        cuda = spec["device"] == "cuda"
-        dev = torch.device("cuda", rank if nccl else 0) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(dev)
-        null = spec["backend"] == "null"  # kernels that do nothing (executor_floor.py's real-rank rows)
-        dt = torch.bfloat16 if cuda or null else torch.float32
-        if null:
-            from _null_backend import NullBackend
-
-            spec = dict(spec, backend=NullBackend())
-        g = torch.Generator(device="cpu").manual_seed(rank)
-        n, (h, hk, d) = spec["tokens"], spec["heads"]
-        q, k, v, do = (torch.randn(1, n, x, d, generator=g).to(dev, dt) for x in (h, hk, hk, h))
-        opts = ringfa4.RingOptions.from_env().replace(**{"metadata_check": "every_call", "cuda_graphs": False,
-                                                         **spec["options"]})
-        # the stub hops: a hop copies this rank's own buffers into its receive buffers
-        if spec["hops"] == "loopback":
-            cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)
-        elif nccl:  # the library's own P2P transport over the NCCL group (stream-ordered waits)
-            cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
-        else:
-            cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
-            cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")
-        steps = cp.run(q, ringfa4.kernels.AttnSpec(causal=True)).active_steps
-        rows = []
-        for backward in (False, True):
-            def call(backward=backward):
-                qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
-                out = ringfa4.attention(qq, kk, vv, cp=cp, causal=True)
-                if backward:
-                    out.backward(do)
-            _host_us(call, 3, cuda, spec["cycles"], dist.barrier)  # warm-up (compiles), the same count everywhere
-            times = _host_us(call, spec["reps"], cuda, spec["cycles"], dist.barrier)
-            captured = cp.graphs is not None and any(cp.graphs.captured.values())
-            taped = cp.tapes is not None and cp.tapes.recorded > 0
-            rows.append({"path": "real-rank", "hops": spec["hops"], "mode": "graphs" if captured else "eager",
-                         "metadata_check": opts.metadata_check, "taped": taped,
-                         "pass": "fwd+bwd" if backward else "fwd",
-                         "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
-                         "us_per_rank_step": statistics.median(times) / steps,
-                         "min_us_per_rank_step": min(times) / steps, **_profiled(call, steps)})
-        results.put((rank, "ok", rows))
+        results.put((rank, "ok", _rank_rows(rank, world, spec, dist.barrier)))
     except BaseException as exc:  # every failure reaches the parent
         results.put((rank, type(exc).__name__, str(exc)))
     finally:
         dist.destroy_process_group()
 
 
+def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
+    """Rank 0's rows in this process, its peers stubbed: torch's fake process group of ``world``
+    ranks (its collectives return at once, this rank's data as every rank's: the peers agree with
+    every check) and stub hops. A real rank's host path without P processes sharing one GPU and
+    host (whose contention the spawned rows pay) and without the network's latency."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if spec["hops"] in ("nccl", "blocking"):
+        raise ValueError(f"stub peers take loopback or stream-ordered hops, got {spec['hops']!r}")
+    from ringfa4.parallel import checks
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mine, every = torch.arange(3), torch.full((3 * world,), -1)
+    dist.all_gather_into_tensor(every, mine)
+    gather = checks.gather_ints
+    if not torch.equal(every, mine.repeat(world)):  # an older fake group leaves the output as it was: the
+        checks.gather_ints = lambda comm, call, values, what: [list(values)] * comm.world_size  # peers agree
+    try:
+        return _rank_rows(0, world, spec, None)
+    finally:
+        checks.gather_ints = gather
+        dist.destroy_process_group()
+
+
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",
-                   reps: int = 10, cycles: int = 0, hops: str = "loopback", options: dict | None = None) -> list[dict]:
+                   reps: int = 10, cycles: int = 0, hops: str = "loopback", options: dict | None = None,
+                   peers: str = "spawned") -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
     timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones);
@@ -194,10 +234,13 @@ def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device:
     ``options``: RingOptions fields over ``RingOptions.from_env()`` with ``metadata_check="every_call"``
     and ``cuda_graphs=False``: e.g. ``metadata_check="new_shapes"`` (the calls after the first repeat its
     key, so they skip the check), ``cuda_graphs=True`` (a row's mode says "graphs" only where the calls
-    were captured), ``launch_tapes="on"`` (a row's ``taped`` says whether a tape was recorded). Raises
-    RuntimeError naming the rank that failed."""
+    were captured), ``launch_tapes="on"`` (a row's ``taped`` says whether a tape was recorded);
+    ``peers``: "spawned" (``world`` processes) or "stub" (rank 0 alone in this process, a fake process
+    group: :func:`_stub_peers_rows`). Raises RuntimeError naming the rank that failed."""
     spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
             "hops": hops, "options": dict(options or {})}
+    if peers == "stub":
+        return _stub_peers_rows(world, spec)
     return spawn_ranks(_worker, world, spec, 600.0, "real-rank host cost")[0]
 
 

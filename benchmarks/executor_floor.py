@@ -126,22 +126,24 @@ def packed_rows(P: int, total: int, reps: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def real_rank_floor(P: int, tokens: int, reps: int) -> list[dict]:
-    """The API level on real ranks: ``P`` spawned gloo ranks, each a distributed ContextParallel
-    with kernels that do nothing and loopback stub hops, so the metadata check (a gloo all-gather
-    on the control group) is in: on every call (the default), and once per call key
-    (``RingOptions(metadata_check="new_shapes")``: the timed calls repeat the first one's key), and so
-    with launch tapes (``launch_tapes="on"``: CPU calls are untaped by default); rank 0's rows, with the
-    check's share of the profiled call."""
+def real_rank_floor(P: int, tokens: int, reps: int, peers: str = "spawned") -> list[dict]:
+    """The API level on real ranks: a distributed ContextParallel with kernels that do nothing and
+    loopback stub hops, so the metadata check is in: on every call (the default), and once per call
+    key (``RingOptions(metadata_check="new_shapes")``: the timed calls repeat the first one's key), and
+    so with launch tapes (``launch_tapes="on"``: CPU calls are untaped by default); rank 0's rows, with
+    the check's share of the profiled call. ``peers``: "spawned" (``P`` gloo ranks: the check a gloo
+    all-gather on the control group; P processes share this machine's CPUs) or "stub" (rank 0 alone, a
+    fake process group: no contention, a check that agrees at once)."""
     from _real_rank import real_rank_rows
 
     rows = []
     variants = (("every_call", "auto", "check every call"), ("new_shapes", "auto", "check once per key"),
                 ("new_shapes", "on", "check once per key, taped"))
+    what = "gloo" if peers == "spawned" else "stub peers"
     for check, tapes, level in variants:
-        rows += [dict(r, level=f"api, real rank (gloo, {level})")
+        rows += [dict(r, level=f"api, real rank ({what}, {level})")
                  for r in real_rank_rows(P, tokens, (H, HK, D), device="cpu", backend="null", reps=reps,
-                                         options={"metadata_check": check, "launch_tapes": tapes})]
+                                         options={"metadata_check": check, "launch_tapes": tapes}, peers=peers)]
     return rows
 
 
@@ -156,6 +158,9 @@ def main() -> None:
     ap.add_argument("--real-rank", default="2",
                     help="world sizes of the real-rank rows (spawned gloo ranks, loopback stub hops, the metadata "
                          "check on every call and once per key; _real_rank.py); empty: none")
+    ap.add_argument("--stub-peers", default="4,8",
+                    help="world sizes of real-rank rows with stub peers (rank 0 alone in this process, a fake "
+                         "process group; _real_rank.py); empty: none")
     ap.add_argument("--out", default="bench_results/executor_floor.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -164,6 +169,8 @@ def main() -> None:
         rows += [r for P in args.worlds.split(",") for r in packed_rows(int(P), args.packed, args.reps)]
     for P in filter(None, args.real_rank.split(",")):
         rows += real_rank_floor(int(P), args.tokens, args.reps)
+    for P in filter(None, args.stub_peers.split(",")):
+        rows += real_rank_floor(int(P), args.tokens, args.reps, peers="stub")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpus": os.cpu_count(), "heads": H, "kv_heads": HK, "head_dim": D, "rows": rows}, f, indent=1)

@@ -34,7 +34,9 @@ set per ``--metadata-check`` value): P spawned gloo ranks on this GPU, each a di
 ``ContextParallel`` with stub hops, so a rank pays what a real one pays on the host (its metadata check
 over the gloo control group included, on every call or once per call key) but no NCCL
 (:mod:`_real_rank`); rank 0's host time per rank-step; with ``--graphs`` also captured rows for the
-stream-ordered (and ``nccl``) hops: a replay per call, watched as one wait.
+stream-ordered (and ``nccl``) hops: a replay per call, watched as one wait. ``--peers stub``: rank 0
+alone in this process, its peers a fake process group that agrees with every check (``"peers":
+"stub"`` rows: a real rank's host path without P processes contending for one GPU and host).
 
     python benchmarks/host_cost.py [--tokens 4096,8192,32768] [--worlds 4,8] [--packed] [--graphs]
         [--real-rank] [--profile] [--out benchmarks/results/host_cost.json]
@@ -394,6 +396,9 @@ def main() -> None:
     ap.add_argument("--hops", default="loopback,stream-ordered,blocking",
                     help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking; "
                          "nccl: real NCCL hops, one GPU a rank")
+    ap.add_argument("--peers", default="spawned",
+                    help="real-rank peers (_real_rank.py), comma-separated: spawned (P processes sharing this GPU), "
+                         "stub (rank 0 alone, a fake process group: no contention, no network)")
     ap.add_argument("--no-simulated", action="store_true", help="only the real-rank rows (with --real-rank)")
     ap.add_argument("--no-dense", action="store_true", help="no simulated dense rows (with --packed / --real-rank)")
     ap.add_argument("--metadata-check", default="every_call,new_shapes",
@@ -435,13 +440,15 @@ def main() -> None:
         if args.real_rank:
             from _real_rank import real_rank_rows
 
-            for tokens, hops, check, graphs in itertools.product(
-                    (int(t) for t in args.tokens.split(",")), args.hops.split(","), args.metadata_check.split(","),
-                    (False, True) if args.graphs else (False,)):
+            for peers, tokens, hops, check, graphs in itertools.product(
+                    args.peers.split(","), (int(t) for t in args.tokens.split(",")), args.hops.split(","),
+                    args.metadata_check.split(","), (False, True) if args.graphs else (False,)):
                 if graphs and hops not in ("stream-ordered", "nccl"):  # captured hops: GPU-side waits only
                     continue
+                if peers == "stub" and hops in ("blocking", "nccl"):  # no peer to wait for / to send to
+                    continue
                 rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
-                                      options={"metadata_check": check, "cuda_graphs": graphs})
+                                      options={"metadata_check": check, "cuda_graphs": graphs}, peers=peers)
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows
@@ -451,12 +458,14 @@ def main() -> None:
     print("| baseline | host us (median) | min |\n|---|---|---|")
     for b in out["baselines"]:
         print(f"| {b['what']} | {b['us']:.0f} | {b['min_us']:.0f} |")
-    print("\n(real-rank rows: P spawned gloo ranks on one GPU, stub hops; rank 0's host time)")
+    print("\n(real-rank rows: rank 0's host time, stub hops; its peers P spawned gloo ranks on this GPU, or stubbed "
+          "by a fake process group)")
     print("\n| layout | mode | P | tokens/rank | pass | us/rank-step (median) | min | executor us/rank-step | "
           "launches/rank-step | efficiency | of calls alone | waited |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
-        print(f"| {r.get('path', 'simulated')} {r.get('hops', '')} {r.get('metadata_check', '')} {r['layout']} | "
+        print(f"| {r.get('path', 'simulated')} {r.get('peers', '')} {r.get('hops', '')} {r.get('metadata_check', '')} "
+              f"{r['layout']} | "
               f"{r['mode']} | {r['P']} | "
               f"{r['tokens_per_rank']} | "
               f"{r['pass']} | "

@@ -366,6 +366,26 @@ def test_real_rank_host_cost_runs_on_gloo_ranks():
     assert all(r["taped"] for r in once)  # the gloo ranks' calls replayed from launch tapes
 
 
+def test_real_rank_host_cost_with_stub_peers_runs_in_this_process():
+    """``peers="stub"``: rank 0 of a fake process group of 4 in this process (no spawned peers): the
+    same rows, its checks agreeing (every call: the check in the profiled call; once per key: not),
+    taped with ``launch_tapes="on"``; the process group is gone afterwards."""
+    import torch.distributed as dist
+    from _real_rank import real_rank_rows
+
+    every = real_rank_rows(4, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, peers="stub")
+    once = real_rank_rows(4, 32, (4, 2, 8), device="cpu", backend="reference", reps=2, peers="stub",
+                          options={"metadata_check": "new_shapes", "launch_tapes": "on"})
+    assert [r["pass"] for r in every + once] == ["fwd", "fwd+bwd"] * 2
+    assert all(r["peers"] == "stub" and r["P"] == 4 and r["rank_steps"] == 4 and r["us_per_rank_step"] > 0
+               for r in every + once)
+    assert all(r["check_share"] > 0 and not r["taped"] for r in every)
+    assert all(r["check_share"] == 0 and r["taped"] for r in once), once
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="stub peers take loopback or stream-ordered hops"):
+        real_rank_rows(4, 32, (4, 2, 8), device="cpu", backend="reference", hops="blocking", peers="stub")
+
+
 def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():
     """check_cost.py: two spawned gloo ranks time the per-call metadata check; one row, per-rank
     (median, min) pairs, positive and ordered."""
