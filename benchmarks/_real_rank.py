@@ -112,10 +112,11 @@ def _stub_p2p(transport, blocking: bool):
     return stub
 
 
-def _profiled(call, steps: int) -> dict:
+def _profiled(call, steps: int, top: int = 0) -> dict:
     """One call under cProfile (every rank, so the collectives match): Python calls per rank-step,
     and the share of the call's profiled time spent in the metadata check (``exchange_and_check``,
-    its gloo all-gather included)."""
+    its gloo all-gather included); ``top`` > 0: also the ``top`` functions with the most own time
+    (``profile``: function, calls, own and cumulative us)."""
     import cProfile
     import pstats
 
@@ -128,8 +129,13 @@ def _profiled(call, steps: int) -> dict:
     total = sum(tt for (_, _, tt, _, _) in stats.values())
     check = sum(ct for (file, _, fn), (_, _, _, ct, _) in stats.items()
                 if fn == "exchange_and_check" and file.endswith("checks.py"))
-    return {"python_calls_per_rank_step": sum(nc for (_, nc, _, _, _) in stats.values()) / steps,
-            "check_share": check / total if total else 0.0}
+    out = {"python_calls_per_rank_step": sum(nc for (_, nc, _, _, _) in stats.values()) / steps,
+           "check_share": check / total if total else 0.0}
+    if top:
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        out["profile"] = [{"function": f"{os.path.basename(file)}:{line}:{fn}", "calls": nc, "own_us": tt * 1e6,
+                           "cum_us": ct * 1e6} for (file, line, fn), (_, nc, tt, ct, _) in rows]
+    return out
 
 
 def _rank_rows(rank: int, world: int, spec: dict, barrier) -> list[dict]:
@@ -180,7 +186,8 @@ def _rank_rows(rank: int, world: int, spec: dict, barrier) -> list[dict]:
                      "pass": "fwd+bwd" if backward else "fwd",
                      "P": world, "tokens_per_rank": n, "layout": "dense", "rank_steps": steps,
                      "us_per_rank_step": statistics.median(times) / steps,
-                     "min_us_per_rank_step": min(times) / steps, **_profiled(call, steps)})
+                     "min_us_per_rank_step": min(times) / steps,
+                     **_profiled(call, steps, 25 if spec.get("profile") else 0)})
     return rows
 
 
@@ -226,7 +233,7 @@ def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",
                    reps: int = 10, cycles: int = 0, hops: str = "loopback", options: dict | None = None,
-                   peers: str = "spawned") -> list[dict]:
+                   peers: str = "spawned", profile: bool = False) -> list[dict]:
     """Rank 0's rows (fwd, fwd+bwd) of the real-rank path with ``world`` spawned gloo ranks of
     ``tokens`` tokens each, ``heads = (h, h_kv, d)``; ``cycles``: the GPU sleep queued before each
     timed call (CUDA); ``hops``: how a hop is waited for (module doc; CUDA only for the P2P ones);
@@ -236,9 +243,10 @@ def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device:
     key, so they skip the check), ``cuda_graphs=True`` (a row's mode says "graphs" only where the calls
     were captured), ``launch_tapes="on"`` (a row's ``taped`` says whether a tape was recorded);
     ``peers``: "spawned" (``world`` processes) or "stub" (rank 0 alone in this process, a fake process
-    group: :func:`_stub_peers_rows`). Raises RuntimeError naming the rank that failed."""
+    group: :func:`_stub_peers_rows`); ``profile``: each row also lists the 25 functions with the most
+    own time in one profiled call. Raises RuntimeError naming the rank that failed."""
     spec = {"tokens": tokens, "heads": heads, "device": device, "backend": backend, "reps": reps, "cycles": cycles,
-            "hops": hops, "options": dict(options or {})}
+            "hops": hops, "options": dict(options or {}), "profile": profile}
     if peers == "stub":
         return _stub_peers_rows(world, spec)
     return spawn_ranks(_worker, world, spec, 600.0, "real-rank host cost")[0]

@@ -448,7 +448,8 @@ def main() -> None:
                 if peers == "stub" and hops in ("blocking", "nccl"):  # no peer to wait for / to send to
                     continue
                 rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
-                                      options={"metadata_check": check, "cuda_graphs": graphs}, peers=peers)
+                                      options={"metadata_check": check, "cuda_graphs": graphs}, peers=peers,
+                                      profile=args.profile)
                 for r in rows:
                     print(json.dumps(r), flush=True)
                 out["rows"] += rows
@@ -475,8 +476,14 @@ def main() -> None:
               f"{r.get('launches_per_rank_step', float('nan')):.1f} | "
               f"{r.get('efficiency', float('nan')):.3f} | {r.get('of_calls_alone', float('nan')):.3f} | "
               f"{r.get('waited', '-')} |")
+    for r in out["rows"]:
+        if r.get("path") == "real-rank" and "profile" in r:
+            print(f"\nprofile (own): real rank, {r['peers']} peers, {r['hops']} hops, {r['metadata_check']}, "
+                  f"{r['mode']}, P={r['P']} {r['pass']}")
+            for p in r["profile"][:12]:
+                print(f"  {p['own_us']:9.0f} us own {p['cum_us']:9.0f} cum {p['calls']:6d}x {p['function']}")
     if args.profile and out["rows"]:
-        for r in out["rows"][:2]:
+        for r in [r for r in out["rows"] if r.get("path") != "real-rank"][:2]:
             for key in ("own", "cum"):
                 print(f"\nprofile ({key}): {r['layout']} P={r['P']} {r['tokens_per_rank']} tokens/rank {r['pass']}")
                 for p in r["profile"][key]:
