@@ -14,7 +14,9 @@ rank-step (median over ``--reps`` calls, and the minimum), Python function calls
 (cProfile, one call: a count that does not depend on the machine) and the torch ops a rank-step
 dispatches (views included; on the device each costs host time: a proxy for it without one). Shapes: ``--tokens`` a rank
 (default 256), h = 8 / kv 2, d = 16, bf16, causal zigzag; and one packed mix (``--packed`` tokens of
-128-2048-token documents, the default placement), whose rows are per rank and call.
+128-2048-token documents, the default placement), whose rows are per rank and call; and the API on real
+ranks (:func:`real_rank_floor`): ``--real-rank`` spawned gloo ranks, ``--stub-peers`` rank 0 alone in a fake
+process group of P ranks.
 """
 
 from __future__ import annotations
