@@ -53,6 +53,7 @@ def test_shard_unshard_positions_every_length(P, layout):
         assert sorted(torch.cat(parts, 1).flatten().tolist()) == list(range(S))
         for r, part in enumerate(parts):
             assert torch.equal(lay.positions(S, r), part.flatten()) and part.shape[1] == lay.rows(S, r)
+        assert lay.all_rows(S) == tuple(p.shape[1] for p in parts)  # (the metadata check's lengths, cached)
         padded = [torch.nn.functional.pad(p, (0, 0, 0, lay.max_rows(S) - p.shape[1])) for p in parts]
         assert torch.equal(lay.unshard(padded, 1, S), x)  # all-gathered buffers padded to the largest rank
         together = lay.split_all(x, 1)  # the simulated group's split: one gather, every rank's part a slice

@@ -193,7 +193,7 @@ def exchange_and_check(cp: CPGroup, error: str | None, shape: CallShape, spec: A
     lengths = [r[4] for r in rows]  # each rank's q.shape[1] (after the error flag, epoch, call number, b)
     if shape is not None and shape.dense:  # any length: each rank must hold the layout's part of their sum
         comm.agreed_seq_len = sum(lengths)
-        lengths = [cp.layout.rows(comm.agreed_seq_len, r) for r in range(cp.world_size)]
+        lengths = cp.layout.all_rows(comm.agreed_seq_len)
     if all(_agrees(rows[r], rows[0], lengths[r]) for r in range(cp.world_size)):
         return comm.agreed_epoch  # the usual case, one list compare a rank; else name the first difference:
     for name, sl in _FIELD_SLICES:

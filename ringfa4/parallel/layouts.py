@@ -75,7 +75,12 @@ class Layout:
         return sum(n for _, n in self.segments(seq_len, rank))
 
     def max_rows(self, seq_len: int) -> int:
-        return max(self.rows(seq_len, r) for r in range(self.world_size))
+        return max(self.all_rows(seq_len))
+
+    def all_rows(self, seq_len: int) -> tuple[int, ...]:
+        """Every rank's :meth:`rows` of a ``seq_len``-token sequence, in rank order (the last 64
+        (layout, length) pairs kept: a distributed call's metadata check asks on every call)."""
+        return _all_rows(self, seq_len)
 
     def seq_len_of(self, rows: list[int]) -> int:
         """The sequence length whose shards have these per-rank token counts (exact parts)."""
@@ -123,6 +128,11 @@ class Layout:
         pieces = [piece for part, sizes in zip(parts, cuts, strict=True) if sizes
                   for piece in part.split_with_sizes(sizes, dim)]  # (one split a rank: its chunks and any padding)
         return torch.cat([pieces[i] for i in order], dim=dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_rows(layout: Layout, seq_len: int) -> tuple[int, ...]:
+    return tuple(layout.rows(seq_len, r) for r in range(layout.world_size))
 
 
 @functools.lru_cache(maxsize=16)
