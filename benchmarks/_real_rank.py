@@ -206,6 +206,9 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         dist.destroy_process_group()
 
 
+STUB_PEER_HOPS = ("loopback", "stream-ordered")  # (no peer to send to over NCCL, or to hold a blocking wait)
+
+
 def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
     """Rank 0's rows in this process, its peers stubbed: torch's fake process group of ``world``
     ranks (its collectives return at once, this rank's data as every rank's: the peers agree with
@@ -214,7 +217,7 @@ def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if spec["hops"] in ("nccl", "blocking"):
+    if spec["hops"] not in STUB_PEER_HOPS:
         raise ValueError(f"stub peers take loopback or stream-ordered hops, got {spec['hops']!r}")
     from ringfa4.parallel import checks
 

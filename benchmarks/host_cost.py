@@ -23,7 +23,8 @@ backward (``--layers``, as many as keep the launches within CUDA's queue): a tra
 ``backward()`` entry and its device-thread hand-off once, not once a layer (the baselines' "autograd alone"
 rows: what that costs);
 and with ``--profile`` the functions where one call's host time goes (cProfile, own and cumulative time,
-top 50; ``inside_backward``: the same inside the autograd thread's ring backward). The
+top 50; ``inside_backward``: the same inside the autograd thread's ring backward; real-rank rows: their
+top 25 by own time). The
 median is the headline; the device's host is noisy, so the minimum is kept beside it.
 Modes: ``eager`` is the defaults (since session 34 a key's calls after its second replay a launch
 tape: ``RingOptions.launch_tapes``; ``tape_mib``: what the tapes keep), ``untaped`` the same with
@@ -438,14 +439,14 @@ def main() -> None:
             out["rows"] += bench_packed(P, 65536, be, args, cycles)
             save()
         if args.real_rank:
-            from _real_rank import real_rank_rows
+            from _real_rank import STUB_PEER_HOPS, real_rank_rows
 
             for peers, tokens, hops, check, graphs in itertools.product(
                     args.peers.split(","), (int(t) for t in args.tokens.split(",")), args.hops.split(","),
                     args.metadata_check.split(","), (False, True) if args.graphs else (False,)):
                 if graphs and hops not in ("stream-ordered", "nccl"):  # captured hops: GPU-side waits only
                     continue
-                if peers == "stub" and hops in ("blocking", "nccl"):  # no peer to wait for / to send to
+                if peers == "stub" and hops not in STUB_PEER_HOPS:
                     continue
                 rows = real_rank_rows(P, tokens, (H, HK, D), reps=args.reps, cycles=cycles, hops=hops,
                                       options={"metadata_check": check, "cuda_graphs": graphs}, peers=peers,
