@@ -11,7 +11,9 @@ a stub: every hop copies the rank's own buffers into its receive buffers on the 
   the error channel as on NCCL (``work.wait()``, the watch thread polling it);
 - ``"blocking"``: the same, waited as NCCL with a timeout is (``work.wait(timeout)`` blocks the CPU
   until the copy is done: the path before stream-ordered waits);
-- ``"nccl"``: real hops, the ranks an NCCL group with one GPU each (P GPUs; the data really moves).
+- ``"nccl"``: real hops, the ranks an NCCL group with one GPU each (P GPUs; the data really moves);
+- ``"nccl-self"`` (stub peers only): real NCCL hops over a one-rank NCCL group, each to and from the
+  rank itself (:func:`self_nccl_p2p`): NCCL's host path a hop on one GPU.
 
 ``real_rank_rows(P, tokens, ...)`` spawns the ranks, times each rank's host microseconds per call
 (the queued-sleep method on CUDA, wall time on CPU) and returns rank 0's rows. With ``peers="stub"``
@@ -22,12 +24,14 @@ host path without the spawned ranks' contention for one GPU and host.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -82,34 +86,48 @@ class _CopyWork:
 
 def _stub_p2p(transport, blocking: bool):
     """``transport`` (this rank's P2PTransport) with its hops replaced by own-buffer copies on the
-    communication stream, each handed to the error channel as a :class:`_CopyWork`."""
+    communication stream, each handed to the error channel as a :class:`_CopyWork`: one post a hop
+    (fork, copies, event: one launched function, as NCCL's batch is one call) and its watched wait."""
+    from ringfa4.kernels.copies import one_dtype
     from ringfa4.kernels.tape import launch
-    from ringfa4.parallel.transport import P2PTransport, _Handle, _pieces, _record
+    from ringfa4.parallel.transport import P2PTransport, _copies_on, _Handle, _pieces
 
     class StubP2P(P2PTransport):
         def capture_blocker(self):  # GPU copies on the communication stream, as NCCL's hops would be
             return None
 
-        def tape_blocker(self):  # copies, events and watched waits: what a tape records of NCCL's hops
+        def tape_blocker(self):  # a post and a watched wait a hop: what a tape records of NCCL's hops
             return None         # (P2PTransport.TAPED_NCCL), without NCCL's own host time a hop
 
         def shift(self, send, recv, offset):
             (s,), (r,) = send, recv
             device = _pieces(s)[0].device
-            stream, event = self.comm_stream(device), torch.cuda.Event()
-
-            def post():
-                for a, b in zip(_pieces(s), _pieces(r), strict=True):
-                    b.copy_(a, non_blocking=True)
-                launch(_record, event, stream)  # (a launch tape's entry: ringfa4.kernels.tape)
-            self.on_stream(stream, device, post)
-            return _Handle(works=[_CopyWork(event)], event=((self.rank - offset) % self.world_size,
-                                                             (self.rank + offset) % self.world_size, None, None))
+            done = torch.cuda.Event()
+            dsts, srcs = one_dtype(_pieces(r), _pieces(s))
+            launch(_copies_on, self.comm_stream(device), self.current_stream(device), torch.cuda.Event(), done,
+                   list(dsts), list(srcs), (len(dsts),))
+            return _Handle(works=[_CopyWork(done)], event=((self.rank - offset) % self.world_size,
+                                                            (self.rank + offset) % self.world_size, None, None))
 
     stub = StubP2P(transport.group, transport.rank, transport.world_size, transport.timeout, transport.channel,
                    transport.cp_ranks)
     stub.channel.gloo = blocking  # the gloo path's sliced wait(timeout) blocks like NCCL's wait(timeout)
     return stub
+
+
+def self_nccl_p2p(transport, group):
+    """``transport`` (this rank's P2PTransport in a fake world, see :func:`_stub_peers_rows`) with
+    real NCCL hops over ``group``, a one-rank NCCL group: every hop sends to and receives from this
+    rank itself (NCCL's send/receive to self), posted, taped and waited exactly as a rank's hops to its
+    peers are; what arrives is the rank's own buffers (as the loopback stub's copies)."""
+    from ringfa4.parallel.transport import P2PTransport
+
+    class SelfP2P(P2PTransport):
+        def _global(self, group_rank: int) -> int:
+            return dist.get_global_rank(self.group, 0)
+
+    return SelfP2P(group, transport.rank, transport.world_size, transport.timeout, transport.channel,
+                   transport.cp_ranks)
 
 
 def _profiled(call, steps: int, top: int = 0) -> dict:
@@ -165,6 +183,9 @@ def _rank_rows(rank: int, world: int, spec: dict, barrier) -> list[dict]:
         cp = ringfa4.ContextParallel(backend=spec["backend"], _transport=LoopbackTransport(), options=opts)
     elif nccl:  # the library's own P2P transport over the NCCL group (stream-ordered waits)
         cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
+    elif spec["hops"] == "nccl-self":  # real NCCL hops, each to this rank itself (stub peers, one GPU)
+        cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
+        cp.transport = cp.comm.transport = self_nccl_p2p(cp.comm.transport, spec["self_group"])
     else:
         cp = ringfa4.ContextParallel(backend=spec["backend"], options=opts)
         cp.transport = cp.comm.transport = _stub_p2p(cp.comm.transport, spec["hops"] == "blocking")
@@ -206,32 +227,42 @@ def _worker(rank: int, world: int, port: int, spec: dict, results) -> None:
         dist.destroy_process_group()
 
 
-STUB_PEER_HOPS = ("loopback", "stream-ordered")  # (no peer to send to over NCCL, or to hold a blocking wait)
+STUB_PEER_HOPS = ("loopback", "stream-ordered", "nccl-self")  # (no peer to hold a blocking wait)
 
 
-def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
-    """Rank 0's rows in this process, its peers stubbed: torch's fake process group of ``world``
-    ranks (its collectives return at once, this rank's data as every rank's: the peers agree with
-    every check) and stub hops. A real rank's host path without P processes sharing one GPU and
-    host (whose contention the spawned rows pay) and without the network's latency."""
+@contextlib.contextmanager
+def stub_world(world: int, nccl_self: bool = False) -> Iterator[dist.ProcessGroup | None]:
+    """This process as rank 0 of torch's fake process group of ``world`` ranks, for the ``with``
+    block: its collectives return at once, this rank's data as every rank's, so the peers agree with
+    every check. ``nccl_self``: also a one-rank NCCL group (yielded, else None) for
+    :func:`self_nccl_p2p`'s hops."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if spec["hops"] not in STUB_PEER_HOPS:
-        raise ValueError(f"stub peers take loopback or stream-ordered hops, got {spec['hops']!r}")
     from ringfa4.parallel import checks
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mine, every = torch.arange(3), torch.full((3 * world,), -1)
-    dist.all_gather_into_tensor(every, mine)
+    # (an NCCL group's communicator id goes through the store: one that keeps what is set)
+    dist.init_process_group("fake", store=dist.HashStore() if nccl_self else FakeStore(), rank=0, world_size=world)
     gather = checks.gather_ints
-    if not torch.equal(every, mine.repeat(world)):  # an older fake group leaves the output as it was: the
-        checks.gather_ints = lambda comm, call, values, what: [list(values)] * comm.world_size  # peers agree
     try:
-        return _rank_rows(0, world, spec, None)
+        mine, every = torch.arange(3), torch.full((3 * world,), -1)
+        dist.all_gather_into_tensor(every, mine)
+        if not torch.equal(every, mine.repeat(world)):  # an older fake group leaves the output as it was: the
+            checks.gather_ints = lambda comm, call, values, what: [list(values)] * comm.world_size  # peers agree
+        yield dist.new_group([0], backend="nccl", use_local_synchronization=True) if nccl_self else None
     finally:
         checks.gather_ints = gather
         dist.destroy_process_group()
+
+
+def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
+    """Rank 0's rows in this process, its peers stubbed (:func:`stub_world`) and stub hops (or NCCL's
+    to itself): a real rank's host path without P processes sharing one GPU and host (whose
+    contention the spawned rows pay) and without the network's latency."""
+    if spec["hops"] not in STUB_PEER_HOPS:
+        raise ValueError(f"stub peers take {', '.join(STUB_PEER_HOPS)} hops, got {spec['hops']!r}")
+    with stub_world(world, spec["hops"] == "nccl-self") as group:
+        return _rank_rows(0, world, dict(spec, self_group=group), None)
 
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",

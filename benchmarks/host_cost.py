@@ -396,7 +396,7 @@ def main() -> None:
     ap.add_argument("--host-only", action="store_true", help="skip the GPU timings (efficiency, of calls alone)")
     ap.add_argument("--hops", default="loopback,stream-ordered,blocking",
                     help="real-rank hop waits (_real_rank.py): loopback, stream-ordered (NCCL's path), blocking; "
-                         "nccl: real NCCL hops, one GPU a rank")
+                         "nccl: real NCCL hops, one GPU a rank; nccl-self (--peers stub): NCCL hops to the rank itself")
     ap.add_argument("--peers", default="spawned",
                     help="real-rank peers (_real_rank.py), comma-separated: spawned (P processes sharing this GPU), "
                          "stub (rank 0 alone, a fake process group: no contention, no network)")
@@ -444,7 +444,7 @@ def main() -> None:
             for peers, tokens, hops, check, graphs in itertools.product(
                     args.peers.split(","), (int(t) for t in args.tokens.split(",")), args.hops.split(","),
                     args.metadata_check.split(","), (False, True) if args.graphs else (False,)):
-                if graphs and hops not in ("stream-ordered", "nccl"):  # captured hops: GPU-side waits only
+                if graphs and hops not in ("stream-ordered", "nccl", "nccl-self"):  # captured hops: GPU-side waits only
                     continue
                 if peers == "stub" and hops not in STUB_PEER_HOPS:
                     continue

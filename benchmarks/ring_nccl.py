@@ -10,9 +10,8 @@ against PyTorch's own context parallel (cuDNN SDPA) in the same run.
    the gradients equal up to the order of fp32 atomics.
    With ``RingOptions(cuda_graphs=True)`` (NCCL hops captured): three calls (the first captures)
    bit-identical to eager with the deterministic backward, and every call captured. With launch
-   tapes (``launch_tapes="on"``, NCCL's gate forced open): three calls (the second records, the
-   third replays) bit-identical to untaped ones (``tapes_check``; ``P2PTransport.TAPED_NCCL`` is
-   turned on once it passes).
+   tapes (``launch_tapes="on"``, NCCL's gate ``P2PTransport.TAPED_NCCL`` forced open): three calls
+   (the second records, the third replays) bit-identical to untaped ones (``tapes_check``).
 2. Weak scaling at 16k and 32k tokens per GPU (h=32, d=128, bf16, causal): efficiency =
    time(one GPU, full sequence) / (P x time per rank), forward and forward+backward, for ringfa4
    and for torch.distributed.tensor.experimental.context_parallel with the cuDNN SDPA backend.
@@ -103,7 +102,7 @@ def check_graphs(be, rank, P):
 
 def check_tapes(be, rank, P):
     """Real ranks' launch tapes over NCCL (``P2PTransport.TAPED_NCCL`` forced on for this check; it
-    gates ``launch_tapes="auto"`` until this passes): a ``launch_tapes="on"`` group against an untaped
+    gates ``launch_tapes="auto"``): a ``launch_tapes="on"`` group against an untaped
     one, three calls of new inputs (the second records, the third replays: NCCL posts and watched
     waits as tape entries), bit-identical with the deterministic backward on every rank, both keys
     recorded and replayed."""

@@ -4,9 +4,11 @@
 ``send[i]`` to rank ``r + offset`` and of rank ``r - offset``'s buffer into ``recv[i]`` (each a
 tensor, or a tuple of tensors sent as pieces: piece j of a send lands in piece j of the receive,
 same sizes on every rank); ``wait``
-makes the compute stream (or the CPU) wait for it. On CUDA the transfer runs on a dedicated
-communication stream that first waits for the compute stream, so producers are done and earlier
-readers of ``recv`` have finished. ``move_start`` (the all-gather mode's exchange: any number of
+makes the compute stream (or the CPU) wait for it. On CUDA the transfer first waits for what the
+compute stream queued so far, so producers are done and earlier readers of ``recv`` have finished:
+NCCL's hops are posted from the compute stream (NCCL's own stream waits for it), the loopback's
+copies run on a communication stream forked from it. A hop is one post and one wait (two launch-tape
+entries). ``move_start`` (the all-gather mode's exchange: any number of
 row ranges sent straight from where they are to where their receiver computes with them, each rank
 sending every other rank just the rows it needs) posts and ``finish`` waits, so the all-gather mode
 computes one group of documents while the next group's K/V arrive.
@@ -14,7 +16,7 @@ computes one group of documents while the next group's K/V arrive.
 - :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
   ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
-  communication stream with the same events (the simulated executor). ``poison`` fills receive
+  communication stream, forked and joined by events (the simulated executor). ``poison`` fills receive
   buffers with NaN first and ``delay_cycles`` sleeps on the communication stream before copying,
   so a missing wait shows up as a wrong result.
 
@@ -67,6 +69,31 @@ def _fork(stream: torch.cuda.Stream, other: torch.cuda.Stream, event: torch.cuda
     stream.wait_event(event)
 
 
+def _copies_on(stream: torch.cuda.Stream, compute: torch.cuda.Stream, fork: torch.cuda.Event,
+               done: torch.cuda.Event, dsts: list[torch.Tensor], srcs: list[torch.Tensor], runs: tuple[int, ...],
+               delay_cycles: int = 0) -> None:
+    """A loopback hop or exchange as one post: on ``stream``, after what ``compute`` queued so far
+    (through ``fork``), ``dsts[i] <- srcs[i]`` in runs of ``runs[j]`` pairs (one copy, or one
+    multi-tensor copy, a run: a receiving rank's pieces), then ``done`` recorded there; ``compute``
+    is current again after. One launch-tape entry, as a real rank's post is one NCCL batch
+    (``delay_cycles``: a sleep first on ``stream``, the tests' late hop)."""
+    _fork(stream, compute, fork)
+    torch.cuda.set_stream(stream)
+    try:
+        if delay_cycles:
+            torch.cuda._sleep(delay_cycles)
+        at = 0
+        for n in runs:
+            if n == 1:
+                dsts[at].copy_(srcs[at], non_blocking=True)
+            else:
+                torch._foreach_copy_(dsts[at:at + n], srcs[at:at + n], non_blocking=True)
+            at += n
+        done.record(stream)
+    finally:
+        torch.cuda.set_stream(compute)
+
+
 def _wait_event(stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
     stream.wait_event(event)
 
@@ -111,11 +138,10 @@ class _Posted:
 
 
 class _Handle:
-    def __init__(self, works=None, event=None, device: torch.device | None = None, join=None):
+    def __init__(self, works=None, event=None, device: torch.device | None = None):
         self.works = works if isinstance(works, _Posted) else _Posted(works or [])
         self.event = event
         self.device = device
-        self.join = join  # captured: an event after the hop on the communication stream (see P2PTransport.shift)
 
 
 class Pending:
@@ -296,19 +322,17 @@ class LoopbackTransport(Transport):
             for dsts, srcs in per_rank:
                 torch._foreach_copy_(dsts, srcs)
             return _Handle()
-        event = torch.cuda.Event()
+        done = self._post_copies(stream, device, per_rank)
+        return _Handle(event=done, device=device)
 
-        def post():
-            if self.delay_cycles:
-                launch(torch.cuda._sleep, self.delay_cycles)
-            for dsts, srcs in per_rank:
-                if len(dsts) == 1:
-                    dsts[0].copy_(srcs[0], non_blocking=True)
-                else:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            launch(_record, event, stream)
-        self.on_stream(stream, device, post)
-        return _Handle(event=event, device=device)
+    def _post_copies(self, stream: torch.cuda.Stream, device: torch.device, runs: list[tuple]) -> torch.cuda.Event:
+        """``runs`` (per receiving rank: its destination and source pieces) copied on ``stream`` in
+        one launched post (:func:`_copies_on`); the event recorded after them."""
+        done = torch.cuda.Event()
+        launch(_copies_on, stream, self.current_stream(device), torch.cuda.Event(), done,
+               [d for dsts, _ in runs for d in dsts], [t for _, srcs in runs for t in srcs],
+               tuple(len(dsts) for dsts, _ in runs), self.delay_cycles)
+        return done
 
     def wait(self, handle):
         if handle.event is not None:
@@ -331,15 +355,7 @@ class LoopbackTransport(Transport):
         if self.poison:
             for _, _, dst, _ in pairs:
                 _poison_(dst)
-        event = torch.cuda.Event()
-
-        def post():
-            if self.delay_cycles:
-                launch(torch.cuda._sleep, self.delay_cycles)
-            for dsts, srcs in launches:  # one launch a rank and kind, as the ranks would
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            launch(_record, event, stream)
-        self.on_stream(stream, device, post)
+        event = self._post_copies(stream, device, launches)  # one multi-tensor copy a rank and kind, as the ranks'
         for _, _, dst, src in pairs:  # kept from the allocator until the communication stream is past them
             dst.record_stream(stream)
             src.record_stream(stream)
@@ -355,7 +371,8 @@ class P2PTransport(Transport):
     ``cp_ranks``: the CP-group rank of each rank of ``group`` (for the messages). Over gloo a hop
     is one ``all_to_all_single`` of bytes (a collective can be waited on in slices; a gloo
     send/receive whose wait times out closes the group), so a waiting rank can watch the channel;
-    over NCCL it is ``batch_isend_irecv`` on the communication stream."""
+    over NCCL it is ``batch_isend_irecv`` posted from the compute stream (a hop; an exchange's batch
+    and its local copies run on the communication stream)."""
 
     def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta, channel=None,
                  cp_ranks: list[int] | None = None) -> None:
@@ -371,8 +388,8 @@ class P2PTransport(Transport):
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def capture_blocker(self) -> str | None:
-        """NCCL hops are captured (``batch_isend_irecv`` on the communication stream); gloo hops
-        run on the host."""
+        """NCCL hops are captured (``batch_isend_irecv``, NCCL's stream joined back by the waits); gloo
+        hops run on the host."""
         if self.gloo:
             return "a gloo group's hops run on the host (NCCL hops are captured)"
         return None
@@ -382,15 +399,17 @@ class P2PTransport(Transport):
         later group could reuse) and this rank's place in it."""
         return (self.group, self.rank, self.world_size)
 
-    TAPED_NCCL = False  # NCCL hops in tapes: built (the gloo path's tests cover the same entries); no GPU run yet
+    # NCCL hops in tapes: checked on one GPU (NCCL's send/receive to self, tests/test_nccl_self_gpu.py) and
+    # across processes over gloo (the CPU tests); False: a real rank's NCCL calls run untaped
+    TAPED_NCCL = True
 
     def tape_blocker(self) -> str | None:
         """A hop's post and its watched wait are tape entries (:meth:`_post_p2p`, :meth:`_wait_posted`:
-        a replay posts and waits as eager does, through the error channel). Over NCCL not yet:
-        ``TAPED_NCCL`` turns on once a GPU run showed its replays (gloo's run in the CPU tests)."""
+        a replay posts and waits as eager does, through the error channel); over NCCL while
+        ``TAPED_NCCL``."""
         if self.gloo or self.TAPED_NCCL:
             return None
-        return "a real rank's NCCL hops are not taped yet (gloo's and the simulated executor's are)"
+        return "a real rank's NCCL hops are not taped (P2PTransport.TAPED_NCCL is off)"
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted
@@ -423,20 +442,12 @@ class P2PTransport(Transport):
             recv_sizes[frm] += flat.numel()
             launch(self._post_a2a, posted, out, flat, recv_sizes, send_sizes)
             return _Handle(works=posted, event=(frm, to, out, _pieces(r)))
-        sends, recvs = list(_pieces(s)), list(_pieces(r))
-        device = sends[0].device
-        stream = self.comm_stream(device)
-        if stream is None:
-            launch(self._post_p2p, posted, sends, recvs, to, frm)
-            return _Handle(works=posted, event=(frm, to, None, None))
-        join = torch.cuda.Event() if self.in_capture else None
-
-        def post():
-            launch(self._post_p2p, posted, sends, recvs, to, frm)
-            if join is not None:  # a capture must join back every stream it forked: the compute
-                launch(_record, join, stream)  # stream waits for this one too, not only for NCCL's own
-        self.on_stream(stream, device, post)
-        return _Handle(works=posted, event=(frm, to, None, None), device=device, join=join)
+        # posted from the current (compute) stream, no stream of ours: NCCL's own stream waits for what the
+        # compute stream queued so far (producers done, earlier readers of the receive buffers finished), as
+        # a fork to a communication stream would, and the wait orders the compute stream after NCCL's
+        # (a capture joins NCCL's stream back through it). Two tape entries a hop: this post and its wait.
+        launch(self._post_p2p, posted, list(_pieces(s)), list(_pieces(r)), to, frm)
+        return _Handle(works=posted, event=(frm, to, None, None))
 
     def _post_p2p(self, posted: _Posted, sends: list, recvs: list, to: int, frm: int) -> None:
         """Piece j of ``sends`` to rank ``to``, of ``recvs`` from ``frm``: one NCCL batch."""
@@ -464,8 +475,6 @@ class P2PTransport(Transport):
     def wait(self, handle):
         frm, to, staged, pieces = handle.event
         launch(self._wait_posted, handle.works, "a ring hop", sorted({frm, to}))
-        if handle.join is not None:
-            launch(_wait_event, self.current_stream(handle.device), handle.join)
         if staged is not None:  # gloo: the bytes into the receive pieces
             at = 0
             for piece in pieces:
