@@ -231,38 +231,72 @@ STUB_PEER_HOPS = ("loopback", "stream-ordered", "nccl-self")  # (no peer to hold
 
 
 @contextlib.contextmanager
-def stub_world(world: int, nccl_self: bool = False) -> Iterator[dist.ProcessGroup | None]:
+def stub_world(world: int, nccl_self: bool = False, teardown: bool = True) -> Iterator[dist.ProcessGroup | None]:
     """This process as rank 0 of torch's fake process group of ``world`` ranks, for the ``with``
     block: its collectives return at once, this rank's data as every rank's, so the peers agree with
     every check. ``nccl_self``: also a one-rank NCCL group (yielded, else None) for
-    :func:`self_nccl_p2p`'s hops."""
+    :func:`self_nccl_p2p`'s hops. ``teardown`` False: the groups stay up after the block, for a
+    process about to end (destroying a one-rank NCCL group after its sends to self was seen to hang:
+    torch 2.11, one H100)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ringfa4.parallel import checks
 
-    # (an NCCL group's communicator id goes through the store: one that keeps what is set)
-    dist.init_process_group("fake", store=dist.HashStore() if nccl_self else FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     gather = checks.gather_ints
     try:
         mine, every = torch.arange(3), torch.full((3 * world,), -1)
         dist.all_gather_into_tensor(every, mine)
         if not torch.equal(every, mine.repeat(world)):  # an older fake group leaves the output as it was: the
             checks.gather_ints = lambda comm, call, values, what: [list(values)] * comm.world_size  # peers agree
-        yield dist.new_group([0], backend="nccl", use_local_synchronization=True) if nccl_self else None
+        yield _one_rank_group("nccl") if nccl_self else None
     finally:
         checks.gather_ints = gather
-        dist.destroy_process_group()
+        if teardown:
+            dist.destroy_process_group()
+
+
+def _one_rank_group(backend: str) -> dist.ProcessGroup:
+    """A group of this fake world's rank 0 alone, on ``backend``, made over a store of its own (an NCCL
+    communicator's id goes through the store; the fake world's keeps nothing, so its error channel
+    finds no peer's keys to wait for)."""
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    kind, store = c10d._world.pg_map[default]
+    c10d._world.pg_map[default] = (kind, dist.HashStore())
+    try:
+        return dist.new_group([0], backend=backend, use_local_synchronization=True)
+    finally:
+        c10d._world.pg_map[default] = (kind, store)
 
 
 def _stub_peers_rows(world: int, spec: dict) -> list[dict]:
-    """Rank 0's rows in this process, its peers stubbed (:func:`stub_world`) and stub hops (or NCCL's
-    to itself): a real rank's host path without P processes sharing one GPU and host (whose
-    contention the spawned rows pay) and without the network's latency."""
+    """Rank 0's rows in this process, its peers stubbed (:func:`stub_world`) and stub hops: a real
+    rank's host path without P processes sharing one GPU and host (whose contention the spawned rows
+    pay) and without the network's latency. NCCL's hops to self run in a process of their own
+    (:func:`_self_nccl_worker`)."""
     if spec["hops"] not in STUB_PEER_HOPS:
         raise ValueError(f"stub peers take {', '.join(STUB_PEER_HOPS)} hops, got {spec['hops']!r}")
-    with stub_world(world, spec["hops"] == "nccl-self") as group:
+    if spec["hops"] == "nccl-self":
+        return spawn_ranks(_self_nccl_worker, 1, (world, spec), 600.0, "real-rank host cost, NCCL hops to self")[0]
+    with stub_world(world) as group:
         return _rank_rows(0, world, dict(spec, self_group=group), None)
+
+
+def _self_nccl_worker(rank: int, _one: int, port: int, arg: tuple, results) -> None:
+    """:func:`_stub_peers_rows` with NCCL's hops to self (``arg``: the fake world's size and the spec),
+    in a process that ends without tearing its groups down (:func:`stub_world`'s ``teardown``)."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    world, spec = arg
+    try:
+        with stub_world(world, nccl_self=True, teardown=False) as group:
+            results.put((0, "ok", _rank_rows(0, world, dict(spec, self_group=group), None)))
+    except BaseException as exc:  # every failure reaches the parent
+        results.put((0, type(exc).__name__, str(exc)))
+    results.close()
+    results.join_thread()  # (what was put is sent before the process ends)
+    os._exit(0)
 
 
 def real_rank_rows(world: int, tokens: int, heads: tuple[int, int, int], device: str = "cuda", backend: str = "auto",

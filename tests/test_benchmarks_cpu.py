@@ -382,8 +382,11 @@ def test_real_rank_host_cost_with_stub_peers_runs_in_this_process():
     assert all(r["check_share"] > 0 and not r["taped"] for r in every)
     assert all(r["check_share"] == 0 and r["taped"] for r in once), once
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="stub peers take loopback or stream-ordered hops"):
+    with pytest.raises(ValueError, match="stub peers take loopback, stream-ordered, nccl-self hops"):
         real_rank_rows(4, 32, (4, 2, 8), device="cpu", backend="reference", hops="blocking", peers="stub")
+    if not dist.is_nccl_available():  # (NCCL's hops to self run in a process of their own: its failure named)
+        with pytest.raises(RuntimeError, match="NCCL hops to self: rank 0 failed"):
+            real_rank_rows(4, 32, (4, 2, 8), device="cpu", backend="reference", hops="nccl-self", peers="stub")
 
 
 def test_check_cost_times_the_metadata_all_gather_on_gloo_ranks():

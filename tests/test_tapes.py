@@ -327,10 +327,10 @@ def test_transports_say_whether_their_hops_are_taped_and_checked():
     assert LoopbackTransport().tape_blocker() is None and LoopbackTransport().tape_self_check()
     assert "does not say" in Transport().tape_blocker() and not Transport().tape_self_check()  # opt in
     nccl = P2PTransport(None, 1, 2, datetime.timedelta(seconds=5))  # no gloo group: NCCL's path
-    assert nccl.tape_blocker() is None and not nccl.tape_self_check()  # (a check's hops would have no peer)
-    nccl.TAPED_NCCL = False  # the switch off: NCCL's hops untaped, gloo's still taped
-    assert "TAPED_NCCL" in nccl.tape_blocker()
-    nccl.gloo = True
+    assert "NCCL" in nccl.tape_blocker() and not nccl.tape_self_check()  # a check's hops would have no peer
+    nccl.TAPED_NCCL = True  # the gate open (a GPU run's check): NCCL's hops taped
+    assert nccl.tape_blocker() is None
+    nccl.TAPED_NCCL, nccl.gloo = False, True
     assert nccl.tape_blocker() is None
 
 

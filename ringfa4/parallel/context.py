@@ -303,7 +303,10 @@ class ContextParallel:
             seq_len = self.comm.global_length(q.shape[1]) if seq_len is None else seq_len
             schedule = ring_schedule(self.layout, seq_len, spec.causal, spec.window)
         backend = get_backend(self.backend_name, q.device, q.dtype)
-        base = spec.replace(causal=False, window=(None, None), sinks=None)
+        if spec.sinks is None and not spec.varlen:  # (tensor-free: one value a spec, equal keys the same object)
+            base = _block_spec(spec)
+        else:
+            base = spec.replace(causal=False, window=(None, None), sinks=None)
         sinks = None if spec.sinks is None else spec.sinks.detach()
         return RingRun(schedule, self.comm.ranks, backend, base, self.transport, self.options, sinks)
 
@@ -351,6 +354,13 @@ class _RingAttention(torch.autograd.Function):
         ctx.sink_io = None
         return (cp.comm.join(place, dqs, dim), cp.comm.join(place, dks, dim), cp.comm.join(place, dvs, dim),
                 None, None, None, None, dsinks, None)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_spec(spec: AttnSpec) -> AttnSpec:
+    """A tensor-free ``spec`` without its mask (the schedule's blocks carry their own), made once: a
+    run's spec is then the same object every call, which its tape's key compares by identity."""
+    return spec.replace(causal=False, window=(None, None), sinks=None)
 
 
 def _leaves_a_rank_empty(packing: Packing) -> bool:

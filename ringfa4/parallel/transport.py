@@ -399,17 +399,17 @@ class P2PTransport(Transport):
         later group could reuse) and this rank's place in it."""
         return (self.group, self.rank, self.world_size)
 
-    # NCCL hops in tapes: checked on one GPU (NCCL's send/receive to self, tests/test_nccl_self_gpu.py) and
-    # across processes over gloo (the CPU tests); False: a real rank's NCCL calls run untaped
-    TAPED_NCCL = True
+    # NCCL hops in tapes: built as gloo's (whose real-rank tapes the CPU tests check); on once a GPU run
+    # checks NCCL's replays (tests/test_nccl_self_gpu.py on one GPU, gpu.sh nccl's tapes_check on two)
+    TAPED_NCCL = False
 
     def tape_blocker(self) -> str | None:
         """A hop's post and its watched wait are tape entries (:meth:`_post_p2p`, :meth:`_wait_posted`:
-        a replay posts and waits as eager does, through the error channel); over NCCL while
+        a replay posts and waits as eager does, through the error channel); over NCCL once
         ``TAPED_NCCL``."""
         if self.gloo or self.TAPED_NCCL:
             return None
-        return "a real rank's NCCL hops are not taped (P2PTransport.TAPED_NCCL is off)"
+        return "a real rank's NCCL hops are not taped yet (P2PTransport.TAPED_NCCL)"
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted
