@@ -38,7 +38,8 @@
 #             and two pipelined groups, torchrun on 2 GPUs; the real rank's host time over NCCL (host_cost.py
 #             --hops nccl) (~8 min)
 #
-# Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-h200}.json (the names
+# Every stage writes JSON under ${OUT:-benchmarks/results}, named <benchmark>_${SUFFIX:-card}.json (card: h100,
+# h200 or b200, the GPU that ran; the names
 # kept in benchmarks/results). The library's defaults are RingOptions' (ringfa4/options.py); nothing here sets
 # RINGFA4_*. To compare a variant, set the variable (the benchmarks read it through RingOptions.from_env()) and a
 # VARIANT tag for the file names, e.g.
@@ -46,7 +47,9 @@
 # Set-up on the device: pip install -e ".[gpu]" (or the wheels carried there); `python3` must import torch.
 set -uo pipefail
 out=${OUT:-benchmarks/results}
-sfx=${SUFFIX:-h200}
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+case "$card" in *H100*) card=h100 ;; *B200*) card=b200 ;; *) card=h200 ;; esac
+sfx=${SUFFIX:-$card}  # the card that ran (h200 where none answers)
 v=${VARIANT:+_$VARIANT}
 mkdir -p "$out"
 
