@@ -89,8 +89,7 @@ def _stub_p2p(transport, blocking: bool):
     communication stream, each handed to the error channel as a :class:`_CopyWork`: one post a hop
     (fork, copies, event: one launched function, as NCCL's batch is one call) and its watched wait."""
     from ringfa4.kernels.copies import one_dtype
-    from ringfa4.kernels.tape import launch
-    from ringfa4.parallel.transport import P2PTransport, _copies_on, _Handle, _pieces
+    from ringfa4.parallel.transport import P2PTransport, _Handle, _pieces
 
     class StubP2P(P2PTransport):
         def capture_blocker(self):  # GPU copies on the communication stream, as NCCL's hops would be
@@ -101,11 +100,7 @@ def _stub_p2p(transport, blocking: bool):
 
         def shift(self, send, recv, offset):
             (s,), (r,) = send, recv
-            device = _pieces(s)[0].device
-            done = torch.cuda.Event()
-            dsts, srcs = one_dtype(_pieces(r), _pieces(s))
-            launch(_copies_on, self.comm_stream(device), self.current_stream(device), torch.cuda.Event(), done,
-                   list(dsts), list(srcs), (len(dsts),))
+            done = self.post_copies(_pieces(s)[0].device, [one_dtype(_pieces(r), _pieces(s))])
             return _Handle(works=[_CopyWork(done)], event=((self.rank - offset) % self.world_size,
                                                             (self.rank + offset) % self.world_size, None, None))
 

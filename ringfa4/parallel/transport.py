@@ -258,6 +258,15 @@ class Transport:
         finally:
             launch(torch.cuda.set_stream, compute)
 
+    def post_copies(self, device: torch.device, runs: list[tuple], delay_cycles: int = 0) -> torch.cuda.Event:
+        """``runs`` (per receiving rank: its destination and source pieces) copied on the communication
+        stream in one launched post (:func:`_copies_on`); the event recorded after them."""
+        done = torch.cuda.Event()
+        launch(_copies_on, self.comm_stream(device), self.current_stream(device), torch.cuda.Event(), done,
+               [d for dsts, _ in runs for d in dsts], [t for _, srcs in runs for t in srcs],
+               tuple(len(dsts) for dsts, _ in runs), delay_cycles)
+        return done
+
     def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], offset: int) -> _Handle:
         raise NotImplementedError
 
@@ -322,17 +331,8 @@ class LoopbackTransport(Transport):
             for dsts, srcs in per_rank:
                 torch._foreach_copy_(dsts, srcs)
             return _Handle()
-        done = self._post_copies(stream, device, per_rank)
+        done = self.post_copies(device, per_rank, self.delay_cycles)
         return _Handle(event=done, device=device)
-
-    def _post_copies(self, stream: torch.cuda.Stream, device: torch.device, runs: list[tuple]) -> torch.cuda.Event:
-        """``runs`` (per receiving rank: its destination and source pieces) copied on ``stream`` in
-        one launched post (:func:`_copies_on`); the event recorded after them."""
-        done = torch.cuda.Event()
-        launch(_copies_on, stream, self.current_stream(device), torch.cuda.Event(), done,
-               [d for dsts, _ in runs for d in dsts], [t for _, srcs in runs for t in srcs],
-               tuple(len(dsts) for dsts, _ in runs), self.delay_cycles)
-        return done
 
     def wait(self, handle):
         if handle.event is not None:
@@ -355,7 +355,7 @@ class LoopbackTransport(Transport):
         if self.poison:
             for _, _, dst, _ in pairs:
                 _poison_(dst)
-        event = self._post_copies(stream, device, launches)  # one multi-tensor copy a rank and kind, as the ranks'
+        event = self.post_copies(device, launches, self.delay_cycles)  # a copy launch a rank and kind, as the ranks'
         for _, _, dst, src in pairs:  # kept from the allocator until the communication stream is past them
             dst.record_stream(stream)
             src.record_stream(stream)
