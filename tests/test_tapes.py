@@ -327,10 +327,11 @@ def test_transports_say_whether_their_hops_are_taped_and_checked():
     assert LoopbackTransport().tape_blocker() is None and LoopbackTransport().tape_self_check()
     assert "does not say" in Transport().tape_blocker() and not Transport().tape_self_check()  # opt in
     nccl = P2PTransport(None, 1, 2, datetime.timedelta(seconds=5))  # no gloo group: NCCL's path
-    assert "NCCL" in nccl.tape_blocker() and not nccl.tape_self_check()  # a check's hops would have no peer
-    nccl.TAPED_NCCL = True  # the gate open (a GPU run's check): NCCL's hops taped
-    assert nccl.tape_blocker() is None
-    nccl.TAPED_NCCL, nccl.gloo = False, True
+    assert P2PTransport.TAPED_NCCL  # on since tests/test_nccl_self_gpu.py passed on a GPU
+    assert nccl.tape_blocker() is None and not nccl.tape_self_check()  # a check's hops would have no peer
+    nccl.TAPED_NCCL = False  # the gate shut: NCCL's hops untaped, and said why
+    assert "NCCL" in nccl.tape_blocker()
+    nccl.gloo = True  # gloo's hops are taped whatever the gate
     assert nccl.tape_blocker() is None
 
 

@@ -399,17 +399,18 @@ class P2PTransport(Transport):
         later group could reuse) and this rank's place in it."""
         return (self.group, self.rank, self.world_size)
 
-    # NCCL hops in tapes: built as gloo's (whose real-rank tapes the CPU tests check); on once a GPU run
-    # checks NCCL's replays (tests/test_nccl_self_gpu.py on one GPU, gpu.sh nccl's tapes_check on two)
-    TAPED_NCCL = False
+    # NCCL hops in tapes: built as gloo's (whose real-rank tapes the CPU tests check); on since
+    # tests/test_nccl_self_gpu.py passed (one H100, session 41: NCCL's send/receive to self, replays bit
+    # for bit with eager); gpu.sh nccl's tapes_check repeats it over two GPUs. False: NCCL ranks untaped
+    TAPED_NCCL = True
 
     def tape_blocker(self) -> str | None:
         """A hop's post and its watched wait are tape entries (:meth:`_post_p2p`, :meth:`_wait_posted`:
-        a replay posts and waits as eager does, through the error channel); over NCCL once
-        ``TAPED_NCCL``."""
+        a replay posts and waits as eager does, through the error channel); over NCCL while
+        ``TAPED_NCCL`` (on)."""
         if self.gloo or self.TAPED_NCCL:
             return None
-        return "a real rank's NCCL hops are not taped yet (P2PTransport.TAPED_NCCL)"
+        return "a real rank's NCCL hops are not taped (P2PTransport.TAPED_NCCL is off)"
 
     def after_replay(self, device: torch.device) -> None:
         """A replay holds every hop of the call: it is watched as one wait of the call (a posted

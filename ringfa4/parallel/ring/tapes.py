@@ -33,7 +33,7 @@ scratch is over the cap stays untaped.
 ``launch_tapes="auto"`` tapes CUDA calls whose backend says its launches are recorded
 (:meth:`~ringfa4.kernels.spec.BlockBackend.launches_taped`) and whose hops are (the simulated
 executor's loopback; a real rank's hops are posted and waited, watched, as entries: gloo's in the
-CPU tests, NCCL's once a GPU run checks them: ``P2PTransport.TAPED_NCCL``), silently running the
+CPU tests, NCCL's as a one-GPU run checked them: ``P2PTransport.TAPED_NCCL``), silently running the
 others untaped; ``"on"`` tapes CPU calls too and says once why a call is not
 taped; ``"off"`` never tapes.
 """
