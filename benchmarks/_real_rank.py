@@ -118,8 +118,11 @@ def self_nccl_p2p(transport, group):
     from ringfa4.parallel.transport import P2PTransport
 
     class SelfP2P(P2PTransport):
-        def _global(self, group_rank: int) -> int:
-            return dist.get_global_rank(self.group, 0)
+        def _peer(self, group_rank: int) -> int:
+            return 0  # (the one-rank group's only rank: this one)
+
+        def _global(self, group_rank: int) -> int:  # (trees before session 41 post through torch's
+            return dist.get_global_rank(self.group, 0)  # batch_isend_irecv: compare_parent.sh's parent)
 
     return SelfP2P(group, transport.rank, transport.world_size, transport.timeout, transport.channel,
                    transport.cp_ranks)

@@ -9,7 +9,9 @@
 #   bash benchmarks/compare_parent.sh BASE prec   ring_precision at P = 8 and 32: parent, this
 #   bash benchmarks/compare_parent.sh BASE host   host_cost.py (this tree's script on each tree's library): 4k
 #                                                 tokens a rank, P = ${WORLDS:-8}, eager, host time only; parent,
-#                                                 this (HOST_ARGS: more flags, e.g. "--reps 16 --queued-ms 250")
+#                                                 this (HOST_ARGS: more flags, e.g. "--reps 16 --queued-ms 250";
+#                                                 real-rank rows: "--real-rank --peers stub --hops nccl-self
+#                                                 --no-simulated --metadata-check new_shapes")
 #   bash benchmarks/compare_parent.sh BASE packed [MIXES]  varlen_sim.py (each tree's own script on its
 #                                                 library): the balanced placement of MIXES (default
 #                                                 uniform_64k,tail_256k) at P = 8 and 4; parent, this
@@ -41,7 +43,7 @@ host() {  # the parent's library under this tree's host_cost.py (its flags), so 
   # shellcheck disable=SC2086
   env PYTHONPATH="$tree:$extra" timeout 240 python3 "$root/benchmarks/host_cost.py" --tokens 4096 \
      --worlds "${WORLDS:-8}" --host-only --no-baselines ${HOST_ARGS:-} --out "$out/host_cost_$tag.json" 2>&1 \
-     | grep "^| simulated"
+     | grep "^| simulated\|^| real-rank"
 }
 packed() {  # each tree's own varlen_sim.py (its one-rank transport speaks that library's transport API)
   local tag=$1 tree=$2 mixes=$3

@@ -149,3 +149,66 @@ def test_a_hop_wait_leaves_the_host_free_and_orders_the_stream(blocking):
     assert torch.equal(got, send * 2)
     assert host_free != blocking
     assert _until(lambda: channel.streams.in_flight() == 0) and channel.streams.failure is None
+
+
+class _RecordingGroup:
+    """A process group that records what a hop posts (NCCL's calls: a coalesced group of sends and
+    receives); ``fail_on``: the send that raises."""
+
+    def __init__(self, fail_on=None):
+        self.calls, self.fail_on = [], fail_on
+
+    def _start_coalescing(self, device):
+        self.calls.append(("start", device.type))
+
+    def send(self, tensors, peer, tag):
+        if self.fail_on is not None and tensors[0] is self.fail_on:
+            raise RuntimeError("NCCL refused the send")
+        self.calls.append(("send", tensors[0], peer))
+
+    def recv(self, tensors, peer, tag):
+        self.calls.append(("recv", tensors[0], peer))
+
+    def _end_coalescing(self, device):
+        self.calls.append(("end", device.type))
+        return "the batch's work"
+
+
+def _nccl_rank(group, rank, world):
+    import datetime
+
+    from ringfa4.parallel.transport import P2PTransport
+
+    hops = P2PTransport(None, rank, world, datetime.timedelta(seconds=5))
+    hops.group = group  # (NCCL's path: not a gloo group)
+    return hops
+
+
+def test_an_nccl_hop_posts_one_coalesced_batch_to_its_ring_neighbours():
+    """A hop of two pieces from rank 1 of 4 by offset 1: both pieces sent to rank 2 and received
+    from rank 0 in one coalesced batch whose one work the hop waits on; an exchange's batch goes to
+    each send's and receive's own rank; a send that fails still ends the batch, its error raised."""
+    import torch
+
+    from ringfa4.parallel.transport import _Posted
+
+    group = _RecordingGroup()
+    hops = _nccl_rank(group, 1, 4)
+    k, v, rk, rv = (torch.zeros(4) for _ in range(4))
+    handle = hops.shift([(k, v)], [(rk, rv)], 1)
+    assert group.calls == [("start", "cpu"), ("send", k, 2), ("send", v, 2), ("recv", rk, 0), ("recv", rv, 0),
+                           ("end", "cpu")]
+    assert handle.works.works == ["the batch's work"] and handle.event[:2] == (0, 2)
+    group.calls.clear()
+    hops.shift([(k, v)], [(rk, rv)], 3)  # backwards round the ring: to rank 0, from rank 2
+    assert [c[2] for c in group.calls if c[0] in ("send", "recv")] == [0, 0, 2, 2]
+    group.calls.clear()
+    posted = _Posted()
+    hops._post_pairs(posted, [k, v], [3, 0], [rk], [2])
+    assert group.calls == [("start", "cpu"), ("send", k, 3), ("send", v, 0), ("recv", rk, 2), ("end", "cpu")]
+    hops._post_pairs(posted, [], [], [], [])
+    assert posted.works == [] and len(group.calls) == 5  # nothing to move: no batch
+    failing = _RecordingGroup(fail_on=v)
+    with pytest.raises(RuntimeError, match="refused"):
+        _nccl_rank(failing, 1, 4).shift([(k, v)], [(rk, rv)], 1)
+    assert failing.calls == [("start", "cpu"), ("send", k, 2), ("end", "cpu")]

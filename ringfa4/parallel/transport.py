@@ -13,7 +13,7 @@ row ranges sent straight from where they are to where their receiver computes wi
 sending every other rank just the rows it needs) posts and ``finish`` waits, so the all-gather mode
 computes one group of documents while the next group's K/V arrive.
 
-- :class:`P2PTransport`: torch.distributed ``batch_isend_irecv`` (NCCL) or one byte
+- :class:`P2PTransport`: one NCCL batch of sends and receives (as ``batch_isend_irecv``) or one byte
   ``all_to_all_single`` a hop (gloo), every wait watched by the CP group's error channel.
 - :class:`LoopbackTransport`: all P ranks in one process: device-to-device copies on the
   communication stream, forked and joined by events (the simulated executor). ``poison`` fills receive
@@ -371,8 +371,8 @@ class P2PTransport(Transport):
     ``cp_ranks``: the CP-group rank of each rank of ``group`` (for the messages). Over gloo a hop
     is one ``all_to_all_single`` of bytes (a collective can be waited on in slices; a gloo
     send/receive whose wait times out closes the group), so a waiting rank can watch the channel;
-    over NCCL it is ``batch_isend_irecv`` posted from the compute stream (a hop; an exchange's batch
-    and its local copies run on the communication stream)."""
+    over NCCL it is one batch of sends and receives (:meth:`_nccl_batch`) posted from the compute
+    stream (a hop; an exchange's batch and its local copies run on the communication stream)."""
 
     def __init__(self, group, rank: int, world_size: int, timeout: datetime.timedelta, channel=None,
                  cp_ranks: list[int] | None = None) -> None:
@@ -384,11 +384,32 @@ class P2PTransport(Transport):
         self.gloo = group is not None and dist.get_backend(group) == "gloo"
         self._warm = False  # NCCL communicator made (move_start)
 
-    def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+    def _peer(self, group_rank: int) -> int:
+        """The rank of :attr:`group` that a hop to ``group_rank`` goes to: itself (a stand-in
+        transport may send elsewhere)."""
+        return group_rank
+
+    def _nccl_batch(self, sends: list, to: list, recvs: list, frm: list) -> list:
+        """``sends[i]`` to group rank ``to[i]`` and ``recvs[i]`` from ``frm[i]``: one NCCL batch (a
+        coalesced group of sends and receives, posted in this order), as ``batch_isend_irecv`` posts
+        it, less its Python a call (its op objects, the ranks translated to global and back, the
+        checks; tensors: contiguous, on this rank's GPU)."""
+        pg = self.group if self.group is not None else dist.group.WORLD
+        device = (sends or recvs)[0].device
+        pg._start_coalescing(device)
+        try:
+            for t, d in zip(sends, to, strict=True):
+                pg.send([t], self._peer(d), 0)
+            for t, f in zip(recvs, frm, strict=True):
+                pg.recv([t], self._peer(f), 0)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the coalescing state ended; the first error is raised)
+                pg._end_coalescing(device)
+            raise
+        return [pg._end_coalescing(device)]
 
     def capture_blocker(self) -> str | None:
-        """NCCL hops are captured (``batch_isend_irecv``, NCCL's stream joined back by the waits); gloo
+        """NCCL hops are captured (a batch of sends and receives, NCCL's stream joined back by the waits); gloo
         hops run on the host."""
         if self.gloo:
             return "a gloo group's hops run on the host (NCCL hops are captured)"
@@ -452,11 +473,7 @@ class P2PTransport(Transport):
 
     def _post_p2p(self, posted: _Posted, sends: list, recvs: list, to: int, frm: int) -> None:
         """Piece j of ``sends`` to rank ``to``, of ``recvs`` from ``frm``: one NCCL batch."""
-        ops = []
-        for a, b in zip(sends, recvs, strict=True):
-            ops += [dist.P2POp(dist.isend, a, self._global(to), self.group),
-                    dist.P2POp(dist.irecv, b, self._global(frm), self.group)]
-        posted.works = dist.batch_isend_irecv(ops)
+        posted.works = self._nccl_batch(sends, [to] * len(sends), recvs, [frm] * len(recvs))
 
     def _post_a2a(self, posted: _Posted, out: torch.Tensor, flat: torch.Tensor, recv_sizes: list,
                   send_sizes: list) -> None:
@@ -464,9 +481,7 @@ class P2PTransport(Transport):
 
     def _post_pairs(self, posted: _Posted, sends: list, to: list, recvs: list, frm: list) -> None:
         """``sends[i]`` to rank ``to[i]``, ``recvs[i]`` from ``frm[i]``: one NCCL batch (none if empty)."""
-        ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for t, d in zip(sends, to)]
-        ops += [dist.P2POp(dist.irecv, t, self._global(f), self.group) for t, f in zip(recvs, frm)]
-        posted.works = dist.batch_isend_irecv(ops) if ops else []
+        posted.works = self._nccl_batch(sends, to, recvs, frm) if sends or recvs else []
 
     def _wait_posted(self, posted: _Posted, what: str, peers: list[int] | None) -> None:
         """Every work of ``posted`` waited (watched by the error channel, under the current call)."""
@@ -484,7 +499,7 @@ class P2PTransport(Transport):
                 at += n
 
     def move_start(self, sends, recvs, what="an exchange"):
-        """Over NCCL, one ``batch_isend_irecv`` of every send and receive on the communication stream
+        """Over NCCL, one batch of every send and receive on the communication stream
         (NCCL matches a pair's operations in order), a rank's moves to itself copied there; over
         gloo, one ``all_to_all_single`` of bytes (the sends staged in rank order, the receives
         unstaged at :meth:`finish`)."""

@@ -20,8 +20,8 @@ side stream (compiles, lazy initialisations, the backends' prepared launches, a 
 first use), then is captured on static copies of its inputs; every call of that key (this one
 included) copies its inputs into those, replays the graph and hands back copies of the outputs
 (the next layer's replay reuses the graph's buffers). Hops are part of the graph: the simulated
-executor's loopback copies, and on real ranks NCCL's ``batch_isend_irecv`` on the communication
-stream, forked from and joined back into the captured stream. All graphs of a
+executor's loopback copies, and on real ranks NCCL's batched sends and receives (a hop's posted from
+the captured stream, NCCL's own stream joined back by its wait). All graphs of a
 ``ContextParallel`` share one memory pool; :meth:`RingGraphs.memory_bytes` is what the static
 inputs and the captures keep allocated.
 
