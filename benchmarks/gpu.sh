@@ -24,7 +24,8 @@
 #             and 8 with dkv_groups 2 and 1 (host time, launches, efficiency, of calls alone) (~3 min); PART real:
 #             the real-rank rows with stub peers (rank 0 alone, a fake process group: no spawned ranks sharing the
 #             GPU), 4k a rank at P = 4 and 8, loopback, stream-ordered and NCCL-to-self hops, eager and graphs, each row's
-#             top functions by own time (compare with the default PART's simulated rows of the same machine); PART qring:
+#             top functions by own time (compare with the default PART's simulated rows of the same machine), then
+#             one hop's NCCL post, torch's batch_isend_irecv against the transport's own (nccl_post.py); PART qring:
 #             the same rows for MHA (h = kv = 32), where the backward's q side travels (~2 min)
 #   capacity  PART 2l (default): 512k and 1M tokens on a 2-layer Llama-3.1-8B shape, allocator trace, then the
 #             peak-memory formula's refit (memory_formula.py) and the plot (~5 min); PART 32k: 32 layers, plain
@@ -131,6 +132,7 @@ stage_host() {
     python3 benchmarks/host_cost.py --tokens 4096 --worlds 4,8 --real-rank --peers stub --no-simulated \
       --hops loopback,stream-ordered,nccl-self --metadata-check new_shapes,every_call --graphs --reps 16 --queued-ms 200 \
       --profile --out "$(name host_cost_real "$sfx")"
+    python3 benchmarks/nccl_post.py --out "$(name nccl_post "$sfx")"  # a hop's NCCL post: torch's batch or ours
     return
   fi
   if [ "${1:-}" = rows ]; then  # PART rows TOKENS WORLDS: one size a call

@@ -347,6 +347,9 @@ def test_host_cost_imports_and_parses():
 
     assert callable(host_cost.bench_dense) and callable(host_cost.bench_packed)
     assert host_cost.H % host_cost.HK == 0
+    import nccl_post  # (its hop posts need a GPU: gpu.sh host real)
+
+    assert callable(nccl_post.main) and callable(nccl_post._timed)
 
 
 def test_real_rank_host_cost_runs_on_gloo_ranks():
