@@ -37,7 +37,8 @@ def _timed(post, pieces, reps: int) -> list[float]:
     for work in post():  # first use (the communicator's)
         work.wait()
     torch.cuda.synchronize()
-    rk.zero_(), rv.zero_()
+    rk.zero_()
+    rv.zero_()
     torch.cuda._sleep(1 << 28)  # queued GPU work: a post only enqueues behind it
     times = []
     for _ in range(reps):

@@ -117,12 +117,7 @@ class _OneRank(LoopbackTransport):
         if stream is None:
             torch._foreach_copy_(dsts, srcs)  # as the loopback transport: one multi-tensor copy
             return Pending()
-        event = torch.cuda.Event()
-
-        def post():
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            event.record(stream)
-        self.on_stream(stream, dsts[0].device, post)
+        event = self.post_copies(dsts[0].device, [(dsts, srcs)])  # one launched post, as the loopback's
         for t in dsts:  # kept from the allocator until the communication stream is past them
             t.record_stream(stream)
         return Pending(event=event, device=dsts[0].device)
