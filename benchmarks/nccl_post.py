@@ -1,6 +1,9 @@
 """What posting one ring hop over NCCL costs the host: torch's ``batch_isend_irecv`` (P2P op objects,
 their checks, the coalescing manager) against the P2P transport's own batch
-(``P2PTransport._nccl_batch``: the process group's coalescing calls, its sends and receives), one GPU.
+(``P2PTransport._nccl_batch``: the process group's coalescing calls, its sends and receives), one GPU;
+and a hop after the first (one flat ``[k | v]`` buffer, :class:`~ringfa4.parallel.ring.buffers.KVRing`)
+as that batch against one ``all_to_all_single`` collective of the flat buffer (one call into the
+process group where the batch makes four).
 
     python3 benchmarks/nccl_post.py --out benchmarks/results/nccl_post_h100.json
 
@@ -31,14 +34,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ringfa4.parallel.transport import P2PTransport  # noqa: E402
 
 
-def _timed(post, pieces, reps: int) -> list[float]:
-    """Host us of ``reps`` posts behind a queued GPU sleep, each waited after its timing."""
-    (k, v), (rk, rv) = pieces
+def _timed(post, sent: list, received: list, reps: int) -> list[float]:
+    """Host us of ``reps`` posts behind a queued GPU sleep, each waited after its timing; the
+    ``received`` tensors must then equal the ``sent`` ones."""
     for work in post():  # first use (the communicator's)
         work.wait()
     torch.cuda.synchronize()
-    rk.zero_()
-    rv.zero_()
+    for r in received:
+        r.zero_()
     torch.cuda._sleep(1 << 28)  # queued GPU work: a post only enqueues behind it
     times = []
     for _ in range(reps):
@@ -48,7 +51,7 @@ def _timed(post, pieces, reps: int) -> list[float]:
         for work in works:
             work.wait()
     torch.cuda.synchronize()
-    if not (torch.equal(rk, k) and torch.equal(rv, v)):
+    if not all(torch.equal(r, t) for r, t in zip(received, sent, strict=True)):
         raise RuntimeError("a hop to self did not deliver its pieces")
     return times
 
@@ -65,6 +68,8 @@ def main() -> None:
     group = dist.group.WORLD
     k, v = (torch.randn(args.tokens, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     rk, rv = torch.empty_like(k), torch.empty_like(v)
+    flat = torch.cat([k.reshape(-1), v.reshape(-1)])  # a later hop's flat [k | v]
+    rflat = torch.empty_like(flat)
     hops = P2PTransport(group, 0, 1, datetime.timedelta(seconds=60))
 
     def torch_batch():
@@ -74,11 +79,24 @@ def main() -> None:
     def transport_batch():
         return hops._nccl_batch([k, v], [0, 0], [rk, rv], [0, 0])
 
-    paths = {"batch_isend_irecv": torch_batch, "P2PTransport._nccl_batch": transport_batch}
+    def transport_flat():
+        return hops._nccl_batch([flat], [0], [rflat], [0])
+
+    def all_to_all_flat():
+        return [dist.all_to_all_single(rflat, flat, [flat.numel()], [flat.numel()], group=group, async_op=True)]
+
+    def pg_all_to_all_flat():  # the process group's own call, without dist.all_to_all_single's Python
+        return [group.alltoall_base(rflat, flat, [flat.numel()], [flat.numel()], dist.AllToAllOptions())]
+
+    two, one = ([k, v], [rk, rv]), ([flat], [rflat])
+    paths = {"batch_isend_irecv": (torch_batch, two), "P2PTransport._nccl_batch": (transport_batch, two),
+             "flat: P2PTransport._nccl_batch": (transport_flat, one),
+             "flat: all_to_all_single": (all_to_all_flat, one),
+             "flat: ProcessGroup.alltoall_base": (pg_all_to_all_flat, one)}
     rounds: dict[str, list[list[float]]] = {name: [] for name in paths}
     for _ in range(args.rounds):
-        for name, post in paths.items():
-            rounds[name].append(_timed(post, ((k, v), (rk, rv)), args.reps))
+        for name, (post, (sent, received)) in paths.items():
+            rounds[name].append(_timed(post, sent, received, args.reps))
     rows = [{"path": name, "us_per_post": statistics.median(t for r in got for t in r),
              "min_us_per_post": min(t for r in got for t in r),
              "round_medians_us": [statistics.median(r) for r in got]} for name, got in rounds.items()]
