@@ -166,9 +166,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/executor_floor.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [r for P in args.worlds.split(",") for r in floor_rows(int(P), args.tokens, args.reps)]
+    worlds = [int(P) for P in filter(None, args.worlds.split(","))]  # "": no simulated rows
+    rows = [r for P in worlds for r in floor_rows(P, args.tokens, args.reps)]
     if args.packed:
-        rows += [r for P in args.worlds.split(",") for r in packed_rows(int(P), args.packed, args.reps)]
+        rows += [r for P in worlds for r in packed_rows(P, args.packed, args.reps)]
     for P in filter(None, args.real_rank.split(",")):
         rows += real_rank_floor(int(P), args.tokens, args.reps)
     for P in filter(None, args.stub_peers.split(",")):
